@@ -1,0 +1,39 @@
+"""The classic torchrun + DDP + mixed-precision recipe as Lightning plugins.
+
+Importing this package registers ``"envddp"`` (and ``"envddp_find_unused_parameters_true"``) in Lightning's
+strategy registry, so ``Trainer(strategy="envddp")`` works.
+"""
+
+from lightning_ddp_amp.environment import Topology, check_rank_variables, read_topology
+
+# Before anything imports Lightning, which parses RANK and LOCAL_RANK with a bare int() at import time.
+check_rank_variables()
+
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from lightning_ddp_amp import _lightning  # noqa: E402
+from lightning_ddp_amp.cluster_environment import LauncherEnvironment  # noqa: E402
+from lightning_ddp_amp.errors import (  # noqa: E402
+    LauncherEnvironmentError,
+    LightningDDPAmpError,
+    StrategyConfigurationError,
+    TopologyMismatchError,
+)
+from lightning_ddp_amp.strategy import EnvDDPStrategy  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EnvDDPStrategy",
+    "LauncherEnvironment",
+    "LauncherEnvironmentError",
+    "LightningDDPAmpError",
+    "StrategyConfigurationError",
+    "Topology",
+    "TopologyMismatchError",
+    "read_topology",
+]
+
+if EnvDDPStrategy.strategy_name not in StrategyRegistry:
+    EnvDDPStrategy.register_strategies(StrategyRegistry)
+_lightning.install_trainer_hook()

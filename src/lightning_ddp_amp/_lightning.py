@@ -1,0 +1,102 @@
+"""The one place where lightning_ddp_amp touches Lightning's private API.
+
+Each function says why it is needed. ``tests/test_lightning_internals.py`` exercises every one of them, and CI
+runs that file against the lowest and the highest Lightning release declared in ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import lightning
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from packaging.version import Version
+from torch.utils.data import DataLoader, Sampler
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+#: Lightning releases CI tests against: lowest included, highest excluded.
+TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
+
+_MARK = "__lightning_ddp_amp_hook__"
+
+
+def install_trainer_hook() -> None:
+    """Let the strategy see the Trainer's raw ``devices`` and ``num_nodes`` arguments.
+
+    Why: by the time a strategy is built, Lightning has turned ``devices="auto"`` into a device count, so
+    "left at auto" and "explicitly 1" look the same. We wrap ``_AcceleratorConnector.__init__`` (Trainer builds
+    one, with its own arguments, in ``Trainer.__init__``) and hand the raw values to the strategy afterwards.
+    Idempotent.
+    """
+    if getattr(_AcceleratorConnector.__init__, _MARK, False):
+        return
+    version = Version(lightning.__version__)
+    if not TESTED_LIGHTNING[0] <= version < TESTED_LIGHTNING[1]:
+        warnings.warn(
+            f"lightning_ddp_amp is tested with Lightning >={TESTED_LIGHTNING[0]},<{TESTED_LIGHTNING[1]}; found"
+            f" {version}. Install a tested release if Trainer construction fails.",
+            stacklevel=2,
+        )
+    original = _AcceleratorConnector.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: _AcceleratorConnector, *args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(self, *args, **kwargs)
+        arguments.apply_defaults()
+        original(self, *args, **kwargs)
+        check = getattr(self.strategy, "check_trainer_flags", None)
+        if callable(check):
+            check(devices=arguments.arguments["devices"], num_nodes=arguments.arguments["num_nodes"])
+
+    setattr(__init__, _MARK, True)
+    _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]
+
+
+def sampler_injection(trainer: pl.Trainer) -> bool:
+    """Whether Lightning injects distributed samplers (``Trainer(use_distributed_sampler=...)``).
+
+    Why: the Trainer keeps this flag only on its private accelerator connector.
+    """
+    return bool(trainer._accelerator_connector.use_distributed_sampler)
+
+
+def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
+    """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
+
+    Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
+    itself (:mod:`lightning_ddp_amp.data`) and leaves only prediction to Lightning.
+    """
+    trainer._accelerator_connector.use_distributed_sampler = enabled
+
+
+def rebuild_dataloader(
+    dataloader: DataLoader[Any], sampler: Sampler[Any], *, batch_size: int | None = None
+) -> DataLoader[Any]:
+    """A copy of ``dataloader`` (of the same class, with the same arguments) that reads from ``sampler``.
+
+    Why: only Lightning knows how to re-create an arbitrary DataLoader subclass, or a custom batch sampler, with
+    the arguments the user passed; it records them when it calls the ``*_dataloader`` hooks.
+
+    Args:
+        dataloader: The user's DataLoader.
+        sampler: The sampler to read from; it is put inside a custom batch sampler when there is one.
+        batch_size: A new batch size, or None to keep the user's.
+    """
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
+    if batch_size is not None:
+        positional = list(getattr(dataloader, "__pl_saved_arg_names", ()))
+        if "batch_size" in positional:
+            index = positional.index("batch_size")
+            args = (*args[:index], batch_size, *args[index + 1 :])
+        else:
+            kwargs["batch_size"] = batch_size
+    rebuilt: DataLoader[Any] = _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    return rebuilt

@@ -1,0 +1,39 @@
+"""The exceptions lightning_ddp_amp raises: one type per kind of mistake.
+
+Every message names the setting that is wrong, the value it had, and what to do instead, in the form
+``<field>=<value>: <what is wrong>. Fix: <what to do>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LightningDDPAmpError(Exception):
+    """Base class of every error this package raises on purpose.
+
+    Args:
+        field: The variable, argument or config key that is wrong, e.g. ``"RANK"`` or ``"split_batches"``.
+        value: The value it had.
+        problem: What is wrong with it, as one sentence.
+        fix: What the user should do instead.
+    """
+
+    def __init__(self, field: str, value: Any, problem: str, fix: str) -> None:
+        self.field = field
+        self.value = value
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
+
+
+class LauncherEnvironmentError(LightningDDPAmpError, ValueError):
+    """A launcher variable (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_PORT, ...) is missing, malformed or out of range."""
+
+
+class TopologyMismatchError(LightningDDPAmpError, ValueError):
+    """A Trainer argument (``devices``, ``num_nodes``) contradicts the topology the launcher set up."""
+
+
+class StrategyConfigurationError(LightningDDPAmpError, ValueError):
+    """An argument of :class:`~lightning_ddp_amp.EnvDDPStrategy` is invalid, alone or with the data it meets."""

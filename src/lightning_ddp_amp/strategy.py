@@ -1,0 +1,382 @@
+"""EnvDDPStrategy: the classic torchrun + DistributedDataParallel recipe as a Lightning strategy.
+
+The recipe, and where each of its lines happens here::
+
+    rank, local_rank, world_size = RANK, LOCAL_RANK, WORLD_SIZE   # __init__: read_topology()
+    torch.cuda.set_device(local_rank)                             # setup_environment: pin the device
+    dist.init_process_group("nccl"); dist.barrier()               # setup_distributed
+    model.cuda(); optimizer = SGD(model.parameters())             # setup: device, then optimizers
+    model, optimizer = amp.initialize(model, optimizer)           # setup: precision plugin, before DDP
+    model = DDP(model, device_ids=[local_rank])                   # setup: DDP wrap, last
+    DataLoader(sampler=DistributedSampler(...)); set_epoch(e)     # process_dataloader
+    if rank == 0: save / log                                      # Lightning's rank-zero utilities
+    dist.destroy_process_group()                                  # at interpreter exit
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+import lightning_ddp_amp._lightning as _lightning
+from lightning_ddp_amp.cluster_environment import LauncherEnvironment
+from lightning_ddp_amp.data import shard_dataloader
+from lightning_ddp_amp.devices import select_devices
+from lightning_ddp_amp.environment import Topology, read_topology
+from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+
+#: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
+COMM_HOOKS: dict[str, Callable[..., Any]] = {
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+}
+
+# torch.nn.parallel.DistributedDataParallel's own defaults: only values that differ are passed on.
+_DDP_DEFAULTS: dict[str, Any] = {
+    "find_unused_parameters": False,
+    "static_graph": False,
+    "gradient_as_bucket_view": False,
+    "bucket_cap_mb": None,
+    "broadcast_buffers": True,
+}
+
+
+class EnvDDPStrategy(DDPStrategy):
+    """DistributedDataParallel with the topology read from the launcher's environment.
+
+    Launch with ``torchrun`` (or ``python -m torch.distributed.launch --use_env``) and pass
+    ``Trainer(strategy="envddp")``; ``devices`` and ``num_nodes`` come from the launcher. Without launcher
+    variables the same script trains as one process on the default device, with no process group.
+
+    Args:
+        accelerator: The accelerator; normally chosen by the Trainer.
+        checkpoint_io: How checkpoints are written; normally chosen by the Trainer.
+        precision_plugin: The precision plugin; normally chosen by the Trainer.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on CUDA, gloo on CPU.
+        timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
+            A ``timedelta`` or seconds.
+        find_unused_parameters: Passed to ``DistributedDataParallel``.
+        static_graph: Passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``.
+        bucket_cap_mb: Passed to ``DistributedDataParallel``.
+        broadcast_buffers: Passed to ``DistributedDataParallel``.
+        ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
+        ddp_comm_state: The state handed to ``ddp_comm_hook``; None for the process group.
+        ddp_comm_wrapper: Wraps ``ddp_comm_hook``, e.g. ``default_hooks.fp16_compress_wrapper``.
+        split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks.
+        exact_eval: Shard validation and test sets without padding duplicates, so every sample is evaluated once
+            and epoch-level metrics equal a single-process run. Log eval metrics per epoch (Lightning's default
+            for validation) when this is on: ranks may run one batch more or less than each other.
+        **ddp_kwargs: Any other ``DistributedDataParallel`` argument, passed through untouched.
+
+    Raises:
+        LauncherEnvironmentError: A launcher variable is missing, malformed or out of range.
+        StrategyConfigurationError: An argument is invalid.
+    """
+
+    strategy_name = "envddp"
+
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = default_pg_timeout,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
+        ddp_comm_hook: Literal["fp16", "bf16"] | Callable[..., Any] | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
+        split_batches: bool = False,
+        exact_eval: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        self._topology = read_topology()
+        requested = {
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "bucket_cap_mb": bucket_cap_mb,
+            "broadcast_buffers": broadcast_buffers,
+        }
+        changed: dict[str, Any] = {name: value for name, value in requested.items() if value != _DDP_DEFAULTS[name]}
+        super().__init__(
+            accelerator=accelerator,
+            cluster_environment=LauncherEnvironment(self._topology),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=_resolve_comm_hook(ddp_comm_hook),
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            process_group_backend=process_group_backend,
+            timeout=_resolve_timeout(timeout),
+            **changed,
+            **ddp_kwargs,
+        )
+        self.split_batches = split_batches
+        self.exact_eval = exact_eval
+        self._devices: list[torch.device] | None = None
+        self._requested_cuda_indices: list[int] | None = None
+        self._shard_dataloaders: bool | None = None
+
+    @property
+    def topology(self) -> Topology:
+        """What the launcher set up (validated in ``__init__``)."""
+        return self._topology
+
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One device per local rank, chosen from the topology once the accelerator is known."""
+        if self._devices is None and self.accelerator is not None:
+            on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+            self._devices = select_devices(
+                "cuda" if on_cuda else "cpu",
+                self._topology,
+                torch.cuda.device_count() if on_cuda else 0,
+                self._requested_cuda_indices,
+            )
+        return self._devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        """Ignored: the launcher decides how many processes run here (see :meth:`check_trainer_flags`)."""
+
+    @property
+    @override
+    def num_nodes(self) -> int:
+        return self._topology.num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
+
+    def check_trainer_flags(self, devices: list[int] | str | int, num_nodes: int) -> None:
+        """Check the Trainer's ``devices`` and ``num_nodes`` against the launcher's topology.
+
+        ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
+        On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``.
+
+        Raises:
+            TopologyMismatchError: an explicit value contradicts the launcher.
+        """
+        topology = self._topology
+        if num_nodes != 1 and num_nodes != topology.num_nodes:
+            raise TopologyMismatchError(
+                "num_nodes",
+                num_nodes,
+                f"the launcher started {topology.num_nodes} node(s) (WORLD_SIZE={topology.world_size},"
+                f" LOCAL_WORLD_SIZE={topology.local_world_size})",
+                f"drop num_nodes from the Trainer (envddp reads it from the launcher) or set num_nodes="
+                f"{topology.num_nodes}",
+            )
+        if devices == "auto":
+            return
+        assert self.accelerator is not None
+        accelerator = type(self.accelerator)
+        requested = accelerator.get_parallel_devices(accelerator.parse_devices(devices))
+        if len(requested) != topology.local_world_size:
+            raise TopologyMismatchError(
+                "devices",
+                devices,
+                f"the launcher started {topology.local_world_size} process(es) on this node"
+                f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
+                f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
+                f"{topology.local_world_size}",
+            )
+        if isinstance(self.accelerator, CUDAAccelerator):
+            self._requested_cuda_indices = [device.index for device in requested]
+            self._devices = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The processes already exist: torchrun (or the user) started them.
+        self._launcher = None
+
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        if not self._topology.is_distributed or dist.is_initialized():
+            return
+        self._process_group_backend = self._get_process_group_backend()
+        device = self.root_device
+        dist.init_process_group(
+            self._process_group_backend,
+            init_method="env://",
+            rank=self._topology.rank,
+            world_size=self._topology.world_size,
+            timeout=self._timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+        atexit.register(_destroy_process_group)
+        rank_zero_info(
+            f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
+            f" backend {self._process_group_backend}, launched by {self._topology.launcher}"
+        )
+        self.barrier("envddp: process group ready")
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # 1. SyncBatchNorm conversion (Trainer(sync_batchnorm=True)), before anything holds the layers.
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        # 2. The precision plugin's dtype conversion, then the recipe's `model.cuda()`.
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # 3. The DataLoaders are sharded by process_dataloader; Lightning only shards predictions.
+        self._route_sampler_injection(trainer)
+        if fitting:
+            # 4. Optimizers over the bare module's parameters, as the recipe builds them before amp and DDP.
+            self.setup_optimizers(trainer)
+        # 5. The precision plugin sees the model and the raw optimizers: where the recipe calls amp.initialize.
+        self.setup_precision_plugin()
+        if not self._topology.is_distributed:
+            return
+        if fitting:
+            # 6. DDP wraps last, around whatever the precision plugin returned.
+            self.configure_ddp()
+        else:
+            # No DDP wrapper outside fit: start every rank from rank 0's weights, as DDP's constructor would.
+            _broadcast_module_states(self.model)
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        self.model = self._setup_model(self.model)
+        self._register_ddp_hooks()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
+        if self._ddp_comm_hook is None:
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not self._shard_dataloaders or not self._topology.is_distributed:
+            return dataloader
+        assert self.lightning_module is not None
+        return shard_dataloader(
+            dataloader,
+            stage=self.lightning_module.trainer.state.stage,
+            num_replicas=self._topology.world_size,
+            rank=self._topology.rank,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            split_batches=self.split_batches,
+            exact_eval=self.exact_eval,
+        )
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
+
+        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
+        divide two such averages (sum of values / number of samples), so with the uneven shards of
+        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float.
+        """
+        if (
+            isinstance(tensor, Tensor)
+            and not tensor.is_floating_point()
+            and isinstance(reduce_op, str)
+            and reduce_op.lower() in ("mean", "avg")
+            and dist.is_initialized()
+        ):
+            total = tensor.to(torch.get_default_dtype())
+            dist.all_reduce(total, op=ReduceOp.SUM, group=group)
+            return total / dist.get_world_size(group)
+        return super().reduce(tensor, group, reduce_op)
+
+    def _route_sampler_injection(self, trainer: Any) -> None:
+        if self._shard_dataloaders is None:
+            self._shard_dataloaders = _lightning.sampler_injection(trainer)
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        _lightning.set_sampler_injection(trainer, self._shard_dataloaders and predicting)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DDP with the topology read from the launcher's environment"
+        )
+        strategy_registry.register(
+            f"{cls.strategy_name}_find_unused_parameters_true",
+            cls,
+            description="envddp with `find_unused_parameters=True`",
+            find_unused_parameters=True,
+        )
+
+
+def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
+    if hook is None or callable(hook):
+        return hook
+    if hook not in COMM_HOOKS:
+        raise StrategyConfigurationError(
+            "ddp_comm_hook",
+            hook,
+            f"it is not a known hook name (known: {', '.join(sorted(COMM_HOOKS))})",
+            "use one of those names, or pass the hook function itself",
+        )
+    return COMM_HOOKS[hook]
+
+
+def _resolve_timeout(timeout: timedelta | float) -> timedelta:
+    if not isinstance(timeout, timedelta):
+        try:
+            timeout = timedelta(seconds=float(timeout))
+        except (TypeError, ValueError):
+            raise StrategyConfigurationError(
+                "timeout", timeout, "it is neither a timedelta nor a number of seconds", "e.g. timeout=1800"
+            ) from None
+    if timeout.total_seconds() <= 0:
+        raise StrategyConfigurationError(
+            "timeout", timeout, "it must be positive", "e.g. timeout=1800 (30 minutes, torch's default)"
+        )
+    return timeout
+
+
+def _broadcast_module_states(module: Module) -> None:
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        dist.broadcast(tensor.detach(), src=0)
+
+
+def _destroy_process_group() -> None:
+    # Without this, gloo's threads can outlive the interpreter and abort the process at exit.
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""Shared fixtures: a clean launcher environment for in-process tests, and real torchrun launches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKERS = Path(__file__).parent / "workers"
+
+#: Everything a launcher or a cluster may export; in-process tests start without any of it.
+LAUNCHER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "PL_GLOBAL_SEED",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """In-process tests see no launcher variables unless they set them, and leave rank-zero state as found."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    rank = getattr(rank_zero_only, "rank", 0)
+    yield
+    rank_zero_only.rank = rank
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Torchrun:
+    """Starts a worker script under ``python -m torch.distributed.run`` on gloo, one node per call."""
+
+    def start(
+        self,
+        script: str,
+        *args: str,
+        nproc: int = 2,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        port: int | None = None,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[str]:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port or free_port()}",
+            *extra,
+            str(WORKERS / script),
+            *args,
+        ]
+        return subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(env),
+        )
+
+    def run(self, script: str, *args: str, timeout: float = 180, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        """Run to completion; a hang becomes a test failure after ``timeout`` seconds."""
+        process = self.start(script, *args, **kwargs)  # type: ignore[arg-type]
+        return finish(process, timeout)
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    env.update(extra or {})
+    return env
+
+
+def finish(process: subprocess.Popen[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"{process.args} did not finish within {timeout}s:\n{output[-4000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, output, None)
+
+
+def check(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert result.returncode == 0, f"exit code {result.returncode}:\n{result.stdout[-6000:]}"
+    return result
+
+
+@pytest.fixture(scope="session")
+def torchrun() -> Torchrun:
+    return Torchrun()
+
+
+def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)

@@ -1,0 +1,175 @@
+"""Real ranks under torchrun on gloo: equivalence with the hand-written recipe, sharding, rank-zero writes,
+two simulated nodes, clean exits. Each launch is shared by the tests that read its results."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import WORKERS, Torchrun, check, finish, free_port, max_abs_difference, worker_env
+
+pytestmark = pytest.mark.multiprocess
+
+TOLERANCE = 1e-5
+
+
+def reports(out: Path) -> list[dict[str, Any]]:
+    found = sorted(out.glob("rank*.json"))
+    return [json.loads(path.read_text()) for path in found]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "weights.pt")
+
+
+def launch(torchrun: Torchrun, tmp: Path, script: str, *args: str, **kwargs: Any) -> Path:
+    tmp.mkdir(parents=True)
+    check(torchrun.run(script, "--out", str(tmp), *args, **kwargs))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def recipe(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plain-PyTorch recipe, 2 ranks, 4 samples per rank per step."""
+    return launch(torchrun, tmp_path_factory.mktemp("recipe") / "out", "train_recipe.py", "--batch-size", "4")
+
+
+@pytest.fixture(scope="module")
+def envddp(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same training with Trainer(strategy=EnvDDPStrategy()), checkpointing and logging on."""
+    return launch(
+        torchrun, tmp_path_factory.mktemp("envddp") / "out", "train_envddp.py", "--batch-size", "4", "--write"
+    )
+
+
+@pytest.fixture(scope="module")
+def envddp_split(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A global batch of 8 split over 2 ranks, and exact evaluation."""
+    out = tmp_path_factory.mktemp("split") / "out"
+    return launch(torchrun, out, "train_envddp.py", "--batch-size", "8", "--split-batches", "--exact-eval")
+
+
+def test_envddp_ends_with_the_recipes_weights(recipe: Path, envddp: Path) -> None:
+    assert max_abs_difference(weights(recipe), weights(envddp)) <= TOLERANCE
+
+
+def test_split_batches_ends_with_the_recipes_weights(recipe: Path, envddp_split: Path) -> None:
+    assert {size for r in reports(envddp_split) for size in r["train_batch_sizes"]} == {4}
+    assert max_abs_difference(weights(recipe), weights(envddp_split)) <= TOLERANCE
+
+
+def test_training_shards_are_disjoint_complete_and_reshuffled_every_epoch(envddp: Path) -> None:
+    rank0, rank1 = reports(envddp)
+    for epoch in ("0", "1"):
+        seen0, seen1 = rank0["train_indices"][epoch], rank1["train_indices"][epoch]
+        assert not set(seen0) & set(seen1)
+        assert sorted(seen0 + seen1) == list(range(64))
+    assert rank0["train_indices"]["0"] != rank0["train_indices"]["1"]
+
+
+def test_only_rank_zero_writes_checkpoints_and_logs(envddp: Path) -> None:
+    assert (envddp / "checkpoint_written_by_rank0").exists()
+    assert (envddp / "log_written_by_rank0").exists()
+    assert not list(envddp.glob("*_written_by_rank1"))
+    assert len(list((envddp / "checkpoints").glob("*.ckpt"))) == 1
+
+
+def test_default_evaluation_pads_shards_with_duplicates(envddp: Path) -> None:
+    evaluated = [i for r in reports(envddp) for i in r["eval_indices"]]
+    assert len(evaluated) == 38  # 37 samples, one evaluated twice: what exact_eval avoids
+
+
+def test_exact_eval_evaluates_every_sample_exactly_once(envddp_split: Path) -> None:
+    evaluated = [i for r in reports(envddp_split) for i in r["eval_indices"]]
+    assert sorted(evaluated) == list(range(37))
+
+
+def test_exact_eval_epoch_metric_equals_a_single_process_run(envddp_split: Path) -> None:
+    from workers.common import val_set
+
+    expected = val_set().tensors[1].mean().item()
+    for report in reports(envddp_split):
+        assert report["val_mean_y"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(torchrun: Torchrun, tmp_path: Path) -> None:
+    recipe4 = launch(torchrun, tmp_path / "recipe4", "train_recipe.py", "--batch-size", "4", nproc=4)
+    out = tmp_path / "nodes"
+    out.mkdir()
+    port = free_port()
+    nodes = [
+        torchrun.start("train_envddp.py", "--out", str(out), "--batch-size", "4", nnodes=2, node_rank=n, port=port)
+        for n in (0, 1)
+    ]
+    for node in nodes:
+        check(finish(node, timeout=240))
+    seen = {(r["rank"], r["local_rank"], r["node_rank"], r["world_size"], r["num_nodes"]) for r in reports(out)}
+    assert seen == {(0, 0, 0, 4, 2), (1, 1, 0, 4, 2), (2, 0, 1, 4, 2), (3, 1, 1, 4, 2)}
+    assert max_abs_difference(weights(recipe4), weights(out)) <= TOLERANCE
+
+
+def test_plain_python_trains_as_one_process(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(WORKERS / "train_envddp.py"),
+            "--out",
+            str(tmp_path),
+            "--batch-size",
+            "4",
+            "--epochs",
+            "1",
+        ],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (report,) = reports(tmp_path)
+    assert (report["world_size"], report["num_devices"]) == (1, 1)
+    assert sorted(report["train_indices"]["0"]) == list(range(64))
+
+
+def test_bad_launcher_variable_stops_the_process_without_waiting_for_peers(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # Nothing listens on this port: a process that tried to rendezvous before validating would hang here.
+    env = {
+        "RANK": "2",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    process = subprocess.Popen(
+        [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"],
+        env=worker_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    result = finish(process, timeout=60)
+    assert result.returncode == 1
+    assert "LauncherEnvironmentError: RANK='2': it must be below WORLD_SIZE=2" in result.stdout
+
+
+def test_finished_runs_exit_zero_every_time(torchrun: Torchrun, tmp_path: Path) -> None:
+    codes = []
+    started = time.monotonic()
+    for attempt in range(10):
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        result = torchrun.run("train_envddp.py", "--out", str(out), "--batch-size", "8", "--epochs", "1")
+        codes.append(result.returncode)
+        assert result.returncode == 0, f"run {attempt} exited {result.returncode}:\n{result.stdout[-4000:]}"
+        assert "terminate called" not in result.stdout
+    print(f"10 runs in {time.monotonic() - started:.0f}s, exit codes {codes}")

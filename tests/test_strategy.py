@@ -1,0 +1,166 @@
+"""EnvDDPStrategy in one process: registration, Trainer flags, arguments, and the CUDA branches (with doubles)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lightning_ddp_amp import EnvDDPStrategy, StrategyConfigurationError, TopologyMismatchError
+
+TWO_RANKS = {
+    "RANK": "1",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+@pytest.fixture
+def two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process is local rank 1 of 2, as torchrun would start it (no network is touched)."""
+    for name, value in TWO_RANKS.items():
+        monkeypatch.setenv(name, value)
+
+
+def trainer(**kwargs: Any) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **kwargs)
+
+
+def test_import_registers_both_names() -> None:
+    assert StrategyRegistry["envddp"]["strategy"] is EnvDDPStrategy
+    entry = StrategyRegistry["envddp_find_unused_parameters_true"]
+    assert entry["strategy"] is EnvDDPStrategy
+    assert entry["init_params"] == {"find_unused_parameters": True}
+
+
+def test_find_unused_parameters_alias_reaches_ddp() -> None:
+    strategy = trainer(strategy="envddp_find_unused_parameters_true").strategy
+    assert isinstance(strategy, EnvDDPStrategy)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
+
+
+def test_without_launcher_it_is_one_process_on_the_default_device() -> None:
+    t = trainer(strategy="envddp")
+    assert (t.world_size, t.global_rank, t.num_devices, t.num_nodes) == (1, 0, 1, 1)
+    assert t.strategy.root_device == torch.device("cpu")
+    assert not t.strategy.topology.is_distributed
+
+
+def test_auto_devices_and_nodes_take_the_launchers_values(two_ranks: None) -> None:
+    t = trainer(strategy="envddp")
+    assert (t.world_size, t.global_rank, t.local_rank, t.num_devices, t.num_nodes) == (2, 1, 1, 2, 1)
+    assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def test_rank_zero_utilities_follow_the_launchers_rank(two_ranks: None) -> None:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    t = trainer(strategy="envddp")
+    assert rank_zero_only.rank == 1
+    assert not t.is_global_zero
+
+
+def test_explicit_devices_matching_the_launcher_are_accepted(two_ranks: None) -> None:
+    assert trainer(strategy="envddp", devices=2).num_devices == 2
+
+
+def test_explicit_devices_contradicting_the_launcher_name_both(two_ranks: None) -> None:
+    with pytest.raises(TopologyMismatchError) as raised:
+        trainer(strategy="envddp", devices=1)
+    message = str(raised.value)
+    assert message.startswith("devices=1: the launcher started 2 process(es) on this node (LOCAL_WORLD_SIZE=2)")
+    assert "set devices=2" in message
+
+
+def test_explicit_num_nodes_contradicting_the_launcher_name_both(two_ranks: None) -> None:
+    with pytest.raises(TopologyMismatchError, match=r"^num_nodes=2: the launcher started 1 node\(s\)"):
+        trainer(strategy="envddp", num_nodes=2)
+
+
+def test_strategy_instance_gets_the_same_checks(two_ranks: None) -> None:
+    with pytest.raises(TopologyMismatchError, match=r"^devices=3"):
+        trainer(strategy=EnvDDPStrategy(), devices=3)
+
+
+def test_only_changed_ddp_options_are_passed_on() -> None:
+    strategy = EnvDDPStrategy(static_graph=True, bucket_cap_mb=50, gradient_as_bucket_view=False, foo_option=1)
+    assert strategy._ddp_kwargs == {"static_graph": True, "bucket_cap_mb": 50, "foo_option": 1}
+
+
+@pytest.mark.parametrize(
+    ("name", "hook"), [("fp16", default_hooks.fp16_compress_hook), ("bf16", default_hooks.bf16_compress_hook)]
+)
+def test_compression_hooks_can_be_named(name: str, hook: Any) -> None:
+    assert EnvDDPStrategy(ddp_comm_hook=name)._ddp_comm_hook is hook
+
+
+def test_unknown_comm_hook_name_is_an_error() -> None:
+    with pytest.raises(StrategyConfigurationError, match=r"^ddp_comm_hook='fp8': .*known: bf16, fp16"):
+        EnvDDPStrategy(ddp_comm_hook="fp8")  # type: ignore[arg-type]
+
+
+def test_timeout_accepts_seconds() -> None:
+    assert EnvDDPStrategy(timeout=90)._timeout == timedelta(seconds=90)
+
+
+@pytest.mark.parametrize("timeout", [0, -5, timedelta(seconds=-1)])
+def test_non_positive_timeout_is_an_error(timeout: Any) -> None:
+    with pytest.raises(StrategyConfigurationError, match=r"^timeout=.*: it must be positive"):
+        EnvDDPStrategy(timeout=timeout)
+
+
+def test_non_numeric_timeout_is_an_error() -> None:
+    with pytest.raises(StrategyConfigurationError, match=r"^timeout='soon'"):
+        EnvDDPStrategy(timeout="soon")  # type: ignore[arg-type]
+
+
+class RecordingCUDAAccelerator(CUDAAccelerator):
+    """Test double: a CUDA accelerator that records device pinning instead of calling the driver."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def setup_device(self, device: torch.device) -> None:
+        self.calls.append(f"set_device({device})")
+
+
+@pytest.fixture
+def cuda_double(monkeypatch: pytest.MonkeyPatch, two_ranks: None) -> tuple[EnvDDPStrategy, list[str]]:
+    """Local rank 1 of 2 on a machine whose two GPUs are doubles; init_process_group records its arguments."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def init_process_group(backend: str, **kwargs: Any) -> None:
+        calls.append(f"init_process_group({backend}, device_id={kwargs['device_id']}, rank={kwargs['rank']})")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    return EnvDDPStrategy(accelerator=RecordingCUDAAccelerator(calls)), calls
+
+
+def test_cuda_rank_is_pinned_to_its_gpu_before_nccl_starts(cuda_double: tuple[EnvDDPStrategy, list[str]]) -> None:
+    strategy, calls = cuda_double
+    strategy.setup_environment()
+    assert calls == ["set_device(cuda:1)", "init_process_group(nccl, device_id=cuda:1, rank=1)"]
+
+
+def test_cuda_ddp_uses_the_local_gpu(cuda_double: tuple[EnvDDPStrategy, list[str]]) -> None:
+    strategy, _ = cuda_double
+    assert strategy.root_device == torch.device("cuda", 1)
+    assert strategy.determine_ddp_device_ids() == [1]
+
+
+def test_backend_can_be_overridden(cuda_double: tuple[EnvDDPStrategy, list[str]]) -> None:
+    _, calls = cuda_double
+    strategy = EnvDDPStrategy(accelerator=RecordingCUDAAccelerator(calls), process_group_backend="gloo")
+    strategy.setup_environment()
+    assert calls[-1].startswith("init_process_group(gloo,")
