@@ -96,6 +96,11 @@ def test_exact_eval_epoch_metric_equals_a_single_process_run(envddp_split: Path)
         assert report["val_mean_y"] == pytest.approx(expected, abs=1e-6)
 
 
+def test_predictions_cover_every_sample_exactly_once(envddp: Path) -> None:
+    predicted = [i for r in reports(envddp) for i in r["predict_indices"]]
+    assert sorted(predicted) == list(range(37))
+
+
 def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(torchrun: Torchrun, tmp_path: Path) -> None:
     recipe4 = launch(torchrun, tmp_path / "recipe4", "train_recipe.py", "--batch-size", "4", nproc=4)
     out = tmp_path / "nodes"
@@ -160,6 +165,41 @@ def test_bad_launcher_variable_stops_the_process_without_waiting_for_peers(tmp_p
     result = finish(process, timeout=60)
     assert result.returncode == 1
     assert "LauncherEnvironmentError: RANK='2': it must be below WORLD_SIZE=2" in result.stdout
+
+
+def test_start_up_wait_for_peers_honours_the_timeout(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # Rank 0 of 2 starts alone: it must give up after EnvDDPStrategy(timeout=3), not torch's 30-minute default.
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(WORKERS / "train_envddp.py"),
+            "--out",
+            str(tmp_path),
+            "--batch-size",
+            "4",
+            "--timeout",
+            "3",
+        ],
+        env=worker_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started = time.monotonic()
+    result = finish(process, timeout=90)
+    print(f"rank 0 alone gave up after {time.monotonic() - started:.1f}s (process start included)")
+    assert result.returncode != 0
+    assert not list(tmp_path.glob("rank*.json"))
 
 
 def test_finished_runs_exit_zero_every_time(torchrun: Torchrun, tmp_path: Path) -> None:

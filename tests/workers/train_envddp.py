@@ -31,6 +31,7 @@ parser.add_argument("--split-batches", action="store_true")
 parser.add_argument("--exact-eval", action="store_true")
 parser.add_argument("--write", action="store_true", help="checkpoint and log through recording doubles")
 parser.add_argument("--accelerator", default="cpu")
+parser.add_argument("--timeout", type=float, default=1800.0, help="EnvDDPStrategy(timeout=...), seconds")
 args = parser.parse_args()
 out = Path(args.out)
 RANK = os.environ.get("RANK", "0")
@@ -82,11 +83,14 @@ class Module(L.LightningModule):
         self.eval_indices += index.tolist()
         self.log("val_mean_y", y.mean(), sync_dist=True, batch_size=len(y))
 
+    def predict_step(self, batch: Any, batch_idx: int) -> list[int]:
+        return batch[2].tolist()
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-strategy = EnvDDPStrategy(split_batches=args.split_batches, exact_eval=args.exact_eval)
+strategy = EnvDDPStrategy(split_batches=args.split_batches, exact_eval=args.exact_eval, timeout=args.timeout)
 trainer = L.Trainer(
     strategy=strategy,
     accelerator=args.accelerator,
@@ -104,6 +108,7 @@ model = Module()
 train_loader = DataLoader(train_set(), batch_size=args.batch_size, shuffle=not args.no_shuffle)
 trainer.fit(model, train_loader)
 metrics = trainer.validate(model, DataLoader(val_set(), batch_size=4), verbose=False)[0]
+predictions = trainer.predict(model, DataLoader(val_set(), batch_size=4))
 
 report = {
     "rank": trainer.global_rank,
@@ -118,6 +123,7 @@ report = {
     "train_indices": model.train_indices,
     "eval_indices": model.eval_indices,
     "val_mean_y": metrics["val_mean_y"],
+    "predict_indices": [i for batch in predictions for i in batch],
 }
 (out / f"rank{RANK}.json").write_text(json.dumps(report))
 if trainer.is_global_zero:
