@@ -56,6 +56,7 @@ def test_nccl_ranks_pin_their_gpus_and_match_the_recipe(torchrun: Torchrun, tmp_
     for rank in (0, 1):
         assert report(envddp, rank)["device"] == f"cuda:{rank}"
         assert report(envddp, rank)["backend"] == "nccl"
+        assert report(envddp, rank)["ddp"] == {"device_ids": [rank], "output_device": rank}
     weights = [torch.load(path / "weights.pt") for path in (recipe, envddp)]
     assert max_abs_difference(*weights) <= 1e-5
 

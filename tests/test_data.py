@@ -146,3 +146,41 @@ def test_split_batches_with_a_custom_batch_sampler_is_an_error() -> None:
         StrategyConfigurationError, match=r"^split_batches=True: the DataLoader has a custom batch_sampler \(Pairs\)"
     ):
         shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0, split_batches=True)
+
+
+def test_split_batches_applies_when_the_user_shards_the_data_himself() -> None:
+    loader = DataLoader(DATASET, batch_size=4)
+    sharded = shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0, shard=False, split_batches=True)
+    assert sharded.batch_size == 2
+    assert isinstance(sharded.sampler, type(loader.sampler))
+
+
+def test_split_batches_applies_to_iterable_datasets() -> None:
+    sharded = shard_dataloader(
+        DataLoader(Stream(), batch_size=4), stage=TRAIN, num_replicas=2, rank=0, seed=0, split_batches=True
+    )
+    assert [len(batch) for batch in sharded] == [2, 2]
+
+
+def test_without_sharding_or_splitting_the_loader_is_untouched() -> None:
+    loader = DataLoader(DATASET, batch_size=4)
+    assert shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0, shard=False) is loader
+
+
+@pytest.mark.parametrize(
+    ("loader", "words"),
+    [
+        (DataLoader(Stream(), batch_size=2), "iterates an IterableDataset"),
+        (
+            DataLoader(DATASET, sampler=DistributedSampler(DATASET, num_replicas=2, rank=0)),
+            "already has a DistributedSampler",
+        ),
+        (DataLoader(TensorDataset(torch.arange(1)), batch_size=2), "an evaluation set of 1 sample(s) leaves some"),
+    ],
+    ids=["iterable", "user-distributed-sampler", "fewer-samples-than-ranks"],
+)
+def test_exact_eval_refuses_what_it_cannot_make_exact(loader: DataLoader, words: str) -> None:
+    with pytest.raises(StrategyConfigurationError) as raised:
+        shard_dataloader(loader, stage=VAL, num_replicas=2, rank=0, seed=0, exact_eval=True)
+    assert str(raised.value).startswith("exact_eval=True: ")
+    assert words in str(raised.value)

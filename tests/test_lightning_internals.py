@@ -37,16 +37,16 @@ class FlagRecordingStrategy(SingleDeviceStrategy):
         super().__init__(device="cpu")
         self.flags: dict[str, Any] = {}
 
-    def check_trainer_flags(self, devices: Any, num_nodes: int) -> None:
-        self.flags = {"devices": devices, "num_nodes": num_nodes}
+    def check_trainer_flags(self, devices: Any, num_nodes: int, use_distributed_sampler: bool) -> None:
+        self.flags = {"devices": devices, "num_nodes": num_nodes, "use_distributed_sampler": use_distributed_sampler}
 
 
 def test_trainer_hook_passes_the_raw_devices_and_num_nodes() -> None:
     default, explicit = FlagRecordingStrategy(), FlagRecordingStrategy()
     L.Trainer(strategy=default, logger=False)
-    L.Trainer(strategy=explicit, devices=1, logger=False)
-    assert default.flags == {"devices": "auto", "num_nodes": 1}
-    assert explicit.flags == {"devices": 1, "num_nodes": 1}
+    L.Trainer(strategy=explicit, devices=1, logger=False, use_distributed_sampler=False)
+    assert default.flags == {"devices": "auto", "num_nodes": 1, "use_distributed_sampler": True}
+    assert explicit.flags == {"devices": 1, "num_nodes": 1, "use_distributed_sampler": False}
 
 
 def test_sampler_injection_flag_round_trips() -> None:

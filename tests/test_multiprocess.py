@@ -53,6 +53,12 @@ def envddp_split(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -
     return launch(torchrun, out, "train_envddp.py", "--batch-size", "8", "--split-batches", "--exact-eval")
 
 
+@pytest.fixture(scope="module")
+def scenarios(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Several Trainers, one after another, on the same 2 ranks (see workers/scenarios.py)."""
+    return reports(launch(torchrun, tmp_path_factory.mktemp("scenarios") / "out", "scenarios.py"))
+
+
 def test_envddp_ends_with_the_recipes_weights(recipe: Path, envddp: Path) -> None:
     assert max_abs_difference(weights(recipe), weights(envddp)) <= TOLERANCE
 
@@ -99,6 +105,46 @@ def test_exact_eval_epoch_metric_equals_a_single_process_run(envddp_split: Path)
 def test_predictions_cover_every_sample_exactly_once(envddp: Path) -> None:
     predicted = [i for r in reports(envddp) for i in r["predict_indices"]]
     assert sorted(predicted) == list(range(37))
+
+
+def test_exact_eval_holds_for_validation_inside_fit_and_for_test(scenarios: list[dict[str, Any]]) -> None:
+    from workers.common import dataset
+
+    expected = dataset(37, seed=4).tensors[1].mean().item()
+    for report in scenarios:
+        assert report["reuse"]["val_mean_y"] == pytest.approx(expected, abs=1e-6)
+        assert report["reuse"]["test_mean_y"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_one_strategy_serves_fit_test_and_a_second_fit(scenarios: list[dict[str, Any]]) -> None:
+    for report in scenarios:
+        assert report["reuse"]["epochs"] == [0, 1]
+        assert report["reuse"]["spread"] == 0.0
+
+
+def test_manual_optimization_keeps_ranks_in_sync(scenarios: list[dict[str, Any]]) -> None:
+    for report in scenarios:
+        assert report["manual"] == {"spread": 0.0, "samples": 20}
+
+
+def test_fp16_gradient_compression_runs_on_gloo(scenarios: list[dict[str, Any]]) -> None:
+    for report in scenarios:
+        assert report["fp16_hook"] == {
+            "spread": 0.0,
+            "type": "DistributedDataParallel",
+            "comm_hook": "fp16_compress_hook",
+        }
+
+
+def test_split_batches_applies_when_the_user_turns_sharding_off(scenarios: list[dict[str, Any]]) -> None:
+    for report in scenarios:
+        # Every rank reads the whole set (the user's choice), in per-rank batches of 8 / 2.
+        assert report["no_sampler"] == {"batch_sizes": [4], "samples": 40}
+
+
+def test_resume_continues_from_the_checkpoint(scenarios: list[dict[str, Any]]) -> None:
+    for report in scenarios:
+        assert report["resume"] == {"epochs": [1], "spread": 0.0}
 
 
 def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(torchrun: Torchrun, tmp_path: Path) -> None:
@@ -197,8 +243,11 @@ def test_start_up_wait_for_peers_honours_the_timeout(tmp_path: Path) -> None:
     )
     started = time.monotonic()
     result = finish(process, timeout=90)
-    print(f"rank 0 alone gave up after {time.monotonic() - started:.1f}s (process start included)")
+    elapsed = time.monotonic() - started
+    print(f"rank 0 alone gave up after {elapsed:.1f}s (process start included)")
     assert result.returncode != 0
+    assert "waiting for clients. 1/2 clients joined" in result.stdout
+    assert elapsed < 45, "the 3-second timeout was not honoured"  # torch's default would wait 30 minutes
     assert not list(tmp_path.glob("rank*.json"))
 
 

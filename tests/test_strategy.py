@@ -87,14 +87,47 @@ def test_explicit_num_nodes_contradicting_the_launcher_name_both(two_ranks: None
         trainer(strategy="envddp", num_nodes=2)
 
 
+def test_devices_without_a_launcher_says_how_to_launch() -> None:
+    with pytest.raises(TopologyMismatchError) as raised:
+        trainer(strategy="envddp", devices=2)
+    message = str(raised.value)
+    assert message.startswith("devices=2: no launcher started this process")
+    assert "torchrun --nproc-per-node=2 train.py" in message
+
+
+def test_exact_eval_needs_the_strategy_to_shard() -> None:
+    with pytest.raises(StrategyConfigurationError, match=r"^exact_eval=True: Trainer\(use_distributed_sampler=False\)"):
+        trainer(strategy=EnvDDPStrategy(exact_eval=True), use_distributed_sampler=False)
+
+
+def test_bf16_compression_on_gloo_is_an_error_before_the_process_group_starts(two_ranks: None) -> None:
+    strategy = trainer(strategy=EnvDDPStrategy(ddp_comm_hook="bf16")).strategy
+    with pytest.raises(StrategyConfigurationError, match=r"^ddp_comm_hook='bf16': .*needs NCCL.*runs gloo"):
+        strategy.setup_environment()
+    assert not dist.is_initialized()
+
+
 def test_strategy_instance_gets_the_same_checks(two_ranks: None) -> None:
     with pytest.raises(TopologyMismatchError, match=r"^devices=3"):
         trainer(strategy=EnvDDPStrategy(), devices=3)
 
 
 def test_only_changed_ddp_options_are_passed_on() -> None:
-    strategy = EnvDDPStrategy(static_graph=True, bucket_cap_mb=50, gradient_as_bucket_view=False, foo_option=1)
-    assert strategy._ddp_kwargs == {"static_graph": True, "bucket_cap_mb": 50, "foo_option": 1}
+    strategy = EnvDDPStrategy(static_graph=True, bucket_cap_mb=50, gradient_as_bucket_view=False, init_sync=False)
+    assert strategy._ddp_kwargs == {"static_graph": True, "bucket_cap_mb": 50, "init_sync": False}
+
+
+def test_misspelled_ddp_option_is_caught_before_any_launch() -> None:
+    with pytest.raises(
+        StrategyConfigurationError, match=r"^find_unused_parameter=True: .*did you mean 'find_unused_parameters'"
+    ):
+        EnvDDPStrategy(find_unused_parameter=True)
+
+
+@pytest.mark.parametrize("name", ["device_ids", "output_device"])
+def test_device_options_are_the_strategys_to_set(name: str) -> None:
+    with pytest.raises(StrategyConfigurationError, match=rf"^{name}=.*: the strategy sets it from LOCAL_RANK"):
+        EnvDDPStrategy(**{name: [0]})
 
 
 @pytest.mark.parametrize(
@@ -111,6 +144,18 @@ def test_unknown_comm_hook_name_is_an_error() -> None:
 
 def test_timeout_accepts_seconds() -> None:
     assert EnvDDPStrategy(timeout=90)._timeout == timedelta(seconds=90)
+
+
+def test_timeout_none_means_torchs_default() -> None:
+    assert EnvDDPStrategy(timeout=None)._timeout == timedelta(minutes=30)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "words"), [(True, "it is a bool"), (float("inf"), "it is too large"), (1e300, "it is too large")]
+)
+def test_timeout_that_is_not_a_duration_is_an_error(timeout: Any, words: str) -> None:
+    with pytest.raises(StrategyConfigurationError, match=rf"^timeout=.*: {words}"):
+        EnvDDPStrategy(timeout=timeout)
 
 
 @pytest.mark.parametrize("timeout", [0, -5, timedelta(seconds=-1)])

@@ -1,7 +1,8 @@
 """The classic torchrun + DDP + mixed-precision recipe as Lightning plugins.
 
 Importing this package registers ``"envddp"`` (and ``"envddp_find_unused_parameters_true"``) in Lightning's
-strategy registry, so ``Trainer(strategy="envddp")`` works.
+strategy registry and teaches ``Trainer(precision=...)`` the values ``"apex-O0"`` … ``"apex-O3"`` and
+``"amp-O0"`` … ``"amp-O3"``, so ``Trainer(strategy="envddp", precision="apex-O1")`` works.
 """
 
 from lightning_ddp_amp.environment import Topology, check_rank_variables, read_topology
@@ -14,20 +15,26 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 from lightning_ddp_amp import _lightning  # noqa: E402
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment  # noqa: E402
 from lightning_ddp_amp.errors import (  # noqa: E402
+    ApexUnavailableError,
     LauncherEnvironmentError,
     LightningDDPAmpError,
+    PrecisionConfigurationError,
     StrategyConfigurationError,
     TopologyMismatchError,
 )
+from lightning_ddp_amp.precision import AmpPrecision  # noqa: E402
 from lightning_ddp_amp.strategy import EnvDDPStrategy  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmpPrecision",
+    "ApexUnavailableError",
     "EnvDDPStrategy",
     "LauncherEnvironment",
     "LauncherEnvironmentError",
     "LightningDDPAmpError",
+    "PrecisionConfigurationError",
     "StrategyConfigurationError",
     "Topology",
     "TopologyMismatchError",

@@ -1,6 +1,7 @@
 """The one place where lightning_ddp_amp touches Lightning's private API.
 
-Each function says why it is needed. ``tests/test_lightning_internals.py`` exercises every one of them, and CI
+(EnvDDPStrategy also uses the protected members it inherits from DDPStrategy, as any subclass does.) Each
+function says why it is needed. ``tests/test_lightning_internals.py`` exercises every one of them, and CI
 runs that file against the lowest and the highest Lightning release declared in ``pyproject.toml``.
 """
 
@@ -9,13 +10,17 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import lightning
+import torch
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from packaging.version import Version
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Sampler
 
 if TYPE_CHECKING:
@@ -28,11 +33,18 @@ _MARK = "__lightning_ddp_amp_hook__"
 
 
 def install_trainer_hook() -> None:
-    """Let the strategy see the Trainer's raw ``devices`` and ``num_nodes`` arguments.
+    """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
-    Why: by the time a strategy is built, Lightning has turned ``devices="auto"`` into a device count, so
-    "left at auto" and "explicitly 1" look the same. We wrap ``_AcceleratorConnector.__init__`` (Trainer builds
-    one, with its own arguments, in ``Trainer.__init__``) and hand the raw values to the strategy afterwards.
+    Why: Lightning has no public extension point for either of these.
+
+    * ``Trainer(precision="apex-O1")`` / ``"amp-O1"``: Lightning validates precision strings against a fixed list,
+      so the wrapper turns ours into an :class:`~lightning_ddp_amp.AmpPrecision` plugin before Lightning sees them
+      (any other value, valid or not, reaches Lightning unchanged).
+    * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
+      "explicitly 1" look the same; the wrapper hands the raw ``devices`` and ``num_nodes`` to the strategy's
+      ``check_trainer_flags``, and the finished strategy and accelerator to the precision plugin's
+      ``check_trainer_setup``.
+
     Idempotent.
     """
     if getattr(_AcceleratorConnector.__init__, _MARK, False):
@@ -49,12 +61,23 @@ def install_trainer_hook() -> None:
 
     @functools.wraps(original)
     def __init__(self: _AcceleratorConnector, *args: Any, **kwargs: Any) -> None:
+        from lightning_ddp_amp.precision import resolve_precision_flag
+
         arguments = signature.bind(self, *args, **kwargs)
         arguments.apply_defaults()
-        original(self, *args, **kwargs)
-        check = getattr(self.strategy, "check_trainer_flags", None)
-        if callable(check):
-            check(devices=arguments.arguments["devices"], num_nodes=arguments.arguments["num_nodes"])
+        given = arguments.arguments
+        given["precision"], given["plugins"] = resolve_precision_flag(given["precision"], given["plugins"])
+        original(*arguments.args, **arguments.kwargs)
+        check_flags = getattr(self.strategy, "check_trainer_flags", None)
+        if callable(check_flags):
+            check_flags(
+                devices=given["devices"],
+                num_nodes=given["num_nodes"],
+                use_distributed_sampler=given["use_distributed_sampler"],
+            )
+        check_setup = getattr(self.precision_plugin, "check_trainer_setup", None)
+        if callable(check_setup):
+            check_setup(self.strategy, self.accelerator)
 
     setattr(__init__, _MARK, True)
     _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]
@@ -77,8 +100,16 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     trainer._accelerator_connector.use_distributed_sampler = enabled
 
 
+def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> None:
+    """Move any state the optimizers already hold to ``device``, as Lightning's own DDP strategy does in setup.
+
+    Why: Lightning's helper also handles the optimizer-state layouts of its other strategies.
+    """
+    _optimizers_to_device(optimizers, device)
+
+
 def rebuild_dataloader(
-    dataloader: DataLoader[Any], sampler: Sampler[Any], *, batch_size: int | None = None
+    dataloader: DataLoader[Any], sampler: Sampler[Any] | Iterable[Any], *, batch_size: int | None = None
 ) -> DataLoader[Any]:
     """A copy of ``dataloader`` (of the same class, with the same arguments) that reads from ``sampler``.
 

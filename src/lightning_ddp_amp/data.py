@@ -41,10 +41,11 @@ def shard_dataloader(
     num_replicas: int,
     rank: int,
     seed: int,
+    shard: bool = True,
     split_batches: bool = False,
     exact_eval: bool = False,
 ) -> object:
-    """Return ``dataloader`` rebuilt so that this rank reads only its shard.
+    """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
 
     Args:
         dataloader: What the LightningModule or DataModule returned.
@@ -52,32 +53,67 @@ def shard_dataloader(
         num_replicas: World size.
         rank: Global rank.
         seed: Seed of the shuffled order (the order also depends on the epoch).
-        split_batches: The DataLoader's ``batch_size`` is the global batch: divide it by the world size.
+        shard: Give each rank its shard (``Trainer(use_distributed_sampler=False)`` turns this off).
+        split_batches: The DataLoader's ``batch_size`` is the global batch: divide it by the world size. Applies
+            whether or not the strategy shards the data.
         exact_eval: Shard validation and test sets without padding, so every sample is evaluated exactly once.
 
     Raises:
         StrategyConfigurationError: ``split_batches`` with a batch size that does not divide evenly, or with a
-            custom batch sampler.
+            custom batch sampler; ``exact_eval`` with an eval set it cannot shard exactly.
     """
     if stage not in SHARDED_STAGES or not isinstance(dataloader, DataLoader):
         return dataloader
-    if isinstance(dataloader.dataset, IterableDataset):
-        return dataloader
-    source = _user_sampler(dataloader)
-    if isinstance(source, DistributedSampler):
-        return dataloader
+    iterable = isinstance(dataloader.dataset, IterableDataset)
+    source = None if iterable else _user_sampler(dataloader)
     unrepeated = exact_eval and stage != RunningStage.TRAINING
-    kwargs: dict[str, Any] = {"num_replicas": num_replicas, "rank": rank, "seed": seed}
-    sampler: Sampler[Any]
+    if unrepeated:
+        _check_exact_eval(dataloader, source, num_replicas)
+    batch_size = _per_rank_batch_size(dataloader, num_replicas) if split_batches else None
+    sampler: Sampler[Any] | Iterable[Any] | None = None
+    if shard and source is not None and not isinstance(source, DistributedSampler):
+        sampler = _distributed_sampler(dataloader, source, unrepeated, num_replicas=num_replicas, rank=rank, seed=seed)
+    if sampler is None and batch_size is None:
+        return dataloader
+    return _lightning.rebuild_dataloader(dataloader, sampler or dataloader.sampler, batch_size=batch_size)
+
+
+def _distributed_sampler(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any], unrepeated: bool, **kwargs: Any
+) -> Sampler[Any]:
     if isinstance(source, (RandomSampler, SequentialSampler)):
         shuffle = isinstance(source, RandomSampler)
         sampler_cls = UnrepeatedDistributedSampler if unrepeated else DistributedSampler
-        sampler = sampler_cls(dataloader.dataset, shuffle=shuffle, **kwargs)
-    else:
-        wrapper_cls = UnrepeatedDistributedSamplerWrapper if unrepeated else DistributedSamplerWrapper
-        sampler = wrapper_cls(source, shuffle=False, **kwargs)
-    batch_size = _per_rank_batch_size(dataloader, num_replicas) if split_batches else None
-    return _lightning.rebuild_dataloader(dataloader, sampler, batch_size=batch_size)
+        return sampler_cls(dataloader.dataset, shuffle=shuffle, **kwargs)
+    wrapper_cls = UnrepeatedDistributedSamplerWrapper if unrepeated else DistributedSamplerWrapper
+    return wrapper_cls(source, shuffle=False, **kwargs)
+
+
+def _check_exact_eval(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, num_replicas: int
+) -> None:
+    if source is None:
+        raise StrategyConfigurationError(
+            "exact_eval",
+            True,
+            "an evaluation DataLoader iterates an IterableDataset, which the strategy cannot shard",
+            "shard the IterableDataset by rank yourself and drop exact_eval, or evaluate a map-style dataset",
+        )
+    if isinstance(source, DistributedSampler):
+        raise StrategyConfigurationError(
+            "exact_eval",
+            True,
+            "an evaluation DataLoader already has a DistributedSampler, which pads the shards with duplicates",
+            "drop the DistributedSampler from the evaluation DataLoader: the strategy shards it",
+        )
+    size = len(dataloader.dataset)  # type: ignore[arg-type]
+    if size < num_replicas:
+        raise StrategyConfigurationError(
+            "exact_eval",
+            True,
+            f"an evaluation set of {size} sample(s) leaves some of the WORLD_SIZE={num_replicas} ranks without data",
+            "evaluate at least one sample per rank, or drop exact_eval",
+        )
 
 
 def _user_sampler(dataloader: DataLoader[Any]) -> Sampler[Any] | Iterable[Any]:

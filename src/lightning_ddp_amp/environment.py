@@ -13,7 +13,6 @@ check the variables before Lightning's own import-time parsing of RANK and LOCAL
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -94,8 +93,7 @@ def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] 
         rank = 0
     local_world_size = _read_int(env, "LOCAL_WORLD_SIZE", minimum=1)
     if local_world_size is None:
-        # The pre-elastic launcher did not export LOCAL_WORLD_SIZE; that is only unambiguous on one node.
-        local_world_size = world_size
+        local_world_size = _single_node_local_world_size(env, world_size)
     if local_world_size > world_size or world_size % local_world_size:
         raise LauncherEnvironmentError(
             "LOCAL_WORLD_SIZE",
@@ -118,6 +116,19 @@ def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] 
     )
 
 
+def _single_node_local_world_size(env: Mapping[str, str], world_size: int) -> int:
+    # The pre-elastic launcher did not export LOCAL_WORLD_SIZE; without it only a one-node job is unambiguous.
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        if env.get(name, "0").strip() not in ("0", ""):
+            raise LauncherEnvironmentError(
+                "LOCAL_WORLD_SIZE",
+                None,
+                f"it is not set, but {name}={env[name]!r} says the job spans several nodes",
+                "export LOCAL_WORLD_SIZE=<processes per node>, or " + _LAUNCH_HINT,
+            )
+    return world_size
+
+
 def _read_int(env: Mapping[str, str], name: str, *, minimum: int, below: tuple[int, str] | None = None) -> int | None:
     raw = env.get(name)
     if raw is None:
@@ -138,16 +149,24 @@ def _to_int(name: str, raw: str, *, minimum: int, below: tuple[int, str] | None 
             name,
             raw,
             f"it must be below {limit_name}={limit} (valid values are 0..{limit - 1})",
-            f"check the launcher's {limit_name}, or {_LAUNCH_HINT}",
+            f"check how the launcher set {name} and {limit_name}, or {_LAUNCH_HINT}",
         )
     return value
 
 
 def _local_rank_from_argv(argv: Sequence[str]) -> str | None:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--local-rank", "--local_rank", dest="local_rank", default=None)
-    known, _ = parser.parse_known_args(list(argv))
-    return known.local_rank  # type: ignore[no-any-return]
+    """The value of ``--local-rank=N`` / ``--local_rank N``, as the old launcher appends it, or None."""
+    found = None
+    for index, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if flag not in ("--local-rank", "--local_rank"):
+            continue
+        if not equals:
+            if index + 1 >= len(argv):
+                raise LauncherEnvironmentError(flag, None, "it has no value", _LAUNCH_HINT)
+            value = argv[index + 1]
+        found = value
+    return found
 
 
 def _local_rank(env: Mapping[str, str], argv_local_rank: str | None, local_world_size: int) -> int:
@@ -179,7 +198,7 @@ def _node_rank(env: Mapping[str, str], *, default: int, num_nodes: int) -> int:
     # torchrun exports GROUP_RANK; NODE_RANK is Lightning's and SLURM-style scripts' name for the same thing.
     for name in ("GROUP_RANK", "NODE_RANK"):
         if name in env:
-            value = _read_int(env, name, minimum=0, below=(num_nodes, "the number of nodes"))
+            value = _read_int(env, name, minimum=0, below=(num_nodes, "WORLD_SIZE/LOCAL_WORLD_SIZE"))
             assert value is not None
             return value
     return default

@@ -37,3 +37,11 @@ class TopologyMismatchError(LightningDDPAmpError, ValueError):
 
 class StrategyConfigurationError(LightningDDPAmpError, ValueError):
     """An argument of :class:`~lightning_ddp_amp.EnvDDPStrategy` is invalid, alone or with the data it meets."""
+
+
+class ApexUnavailableError(LightningDDPAmpError, ImportError):
+    """NVIDIA apex amp was asked for but cannot run here: not installed, without ``apex.amp``, or without CUDA."""
+
+
+class PrecisionConfigurationError(LightningDDPAmpError, ValueError):
+    """An argument of :class:`~lightning_ddp_amp.AmpPrecision`, or the way it meets the Trainer, is invalid."""

@@ -16,9 +16,14 @@ The recipe, and where each of its lines happens here::
 from __future__ import annotations
 
 import atexit
+import contextlib
+import difflib
+import inspect
 import itertools
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -35,12 +40,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
+from lightning_ddp_amp.apex_amp import load_apex_module
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment
 from lightning_ddp_amp.data import shard_dataloader
 from lightning_ddp_amp.devices import select_devices
@@ -85,6 +92,8 @@ class EnvDDPStrategy(DDPStrategy):
         ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
         ddp_comm_state: The state handed to ``ddp_comm_hook``; None for the process group.
         ddp_comm_wrapper: Wraps ``ddp_comm_hook``, e.g. ``default_hooks.fp16_compress_wrapper``.
+        ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
+            (``apex.parallel.DistributedDataParallel``, as apex-era scripts used; ``**ddp_kwargs`` then go to it).
         split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks.
         exact_eval: Shard validation and test sets without padding duplicates, so every sample is evaluated once
             and epoch-level metrics equal a single-process run. Log eval metrics per epoch (Lightning's default
@@ -105,7 +114,7 @@ class EnvDDPStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | float = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -116,6 +125,7 @@ class EnvDDPStrategy(DDPStrategy):
         ddp_comm_wrapper: Callable[..., Any] | None = None,
         split_batches: bool = False,
         exact_eval: bool = False,
+        ddp_impl: Literal["torch", "apex"] = "torch",
         **ddp_kwargs: Any,
     ) -> None:
         self._topology = read_topology()
@@ -127,6 +137,8 @@ class EnvDDPStrategy(DDPStrategy):
             "broadcast_buffers": broadcast_buffers,
         }
         changed: dict[str, Any] = {name: value for name, value in requested.items() if value != _DDP_DEFAULTS[name]}
+        self._apex_ddp = _apex_ddp_class(ddp_impl, [*changed, *(["ddp_comm_hook"] if ddp_comm_hook else [])])
+        _check_ddp_kwargs(self._apex_ddp or DistributedDataParallel, ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
             cluster_environment=LauncherEnvironment(self._topology),
@@ -178,15 +190,27 @@ class EnvDDPStrategy(DDPStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
 
-    def check_trainer_flags(self, devices: list[int] | str | int, num_nodes: int) -> None:
-        """Check the Trainer's ``devices`` and ``num_nodes`` against the launcher's topology.
+    def check_trainer_flags(
+        self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
+    ) -> None:
+        """Check the Trainer's ``devices``, ``num_nodes`` and ``use_distributed_sampler`` against this strategy.
 
         ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
         On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``.
 
         Raises:
             TopologyMismatchError: an explicit value contradicts the launcher.
+            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``.
         """
+        self._shard_dataloaders = use_distributed_sampler
+        if self.exact_eval and not use_distributed_sampler:
+            raise StrategyConfigurationError(
+                "exact_eval",
+                True,
+                "Trainer(use_distributed_sampler=False) leaves sharding to you, so the strategy cannot make the"
+                " evaluation shards exact",
+                "drop use_distributed_sampler=False, or drop exact_eval and shard the eval sets yourself",
+            )
         topology = self._topology
         if num_nodes != 1 and num_nodes != topology.num_nodes:
             raise TopologyMismatchError(
@@ -202,6 +226,13 @@ class EnvDDPStrategy(DDPStrategy):
         assert self.accelerator is not None
         accelerator = type(self.accelerator)
         requested = accelerator.get_parallel_devices(accelerator.parse_devices(devices))
+        if len(requested) != topology.local_world_size and topology.launcher == "none":
+            raise TopologyMismatchError(
+                "devices",
+                devices,
+                "no launcher started this process (RANK, LOCAL_RANK and WORLD_SIZE are unset), so it trains alone",
+                f"start one process per device: `torchrun --nproc-per-node={len(requested)} train.py`, or drop devices",
+            )
         if len(requested) != topology.local_world_size:
             raise TopologyMismatchError(
                 "devices",
@@ -227,6 +258,7 @@ class EnvDDPStrategy(DDPStrategy):
         if not self._topology.is_distributed or dist.is_initialized():
             return
         self._process_group_backend = self._get_process_group_backend()
+        self._check_comm_hook(self._process_group_backend)
         device = self.root_device
         dist.init_process_group(
             self._process_group_backend,
@@ -262,14 +294,47 @@ class EnvDDPStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         # 5. The precision plugin sees the model and the raw optimizers: where the recipe calls amp.initialize.
         self.setup_precision_plugin()
+        if fitting:
+            _lightning.optimizers_to_device(self.optimizers, self.root_device)
         if not self._topology.is_distributed:
             return
         if fitting:
             # 6. DDP wraps last, around whatever the precision plugin returned.
             self.configure_ddp()
+            if isinstance(self._ddp_comm_state, post_localSGD.PostLocalSGDState):
+                self._enable_model_averaging()
         else:
             # No DDP wrapper outside fit: start every rank from rank 0's weights, as DDP's constructor would.
             _broadcast_module_states(self.model)
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        if self._apex_ddp is not None:
+            # apex's wrapper is not a torch DDP; Lightning treats self.model as a plain Module everywhere it matters.
+            wrapped: Any = self._apex_ddp(model, **self._ddp_kwargs)
+            return wrapped  # type: ignore[no-any-return]
+        return super()._setup_model(model)
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._apex_ddp is None or not isinstance(self.model, self._apex_ddp):
+            with super().block_backward_sync():
+                yield
+            return
+        # apex's DDP has no no_sync(); pausing its allreduce is its way to accumulate gradients locally.
+        wrapper: Any = self.model
+        wrapper.disable_allreduce()
+        try:
+            yield
+        finally:
+            wrapper.enable_allreduce()
+
+    @override
+    def teardown(self) -> None:
+        if self._apex_ddp is not None and isinstance(self.model, self._apex_ddp):
+            self.model = self.lightning_module
+        super().teardown()
 
     @override
     def configure_ddp(self) -> None:
@@ -290,7 +355,7 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not self._shard_dataloaders or not self._topology.is_distributed:
+        if not self._topology.is_distributed:
             return dataloader
         assert self.lightning_module is not None
         return shard_dataloader(
@@ -299,6 +364,7 @@ class EnvDDPStrategy(DDPStrategy):
             num_replicas=self._topology.world_size,
             rank=self._topology.rank,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            shard=bool(self._shard_dataloaders),
             split_batches=self.split_batches,
             exact_eval=self.exact_eval,
         )
@@ -318,10 +384,23 @@ class EnvDDPStrategy(DDPStrategy):
             and reduce_op.lower() in ("mean", "avg")
             and dist.is_initialized()
         ):
-            total = tensor.to(torch.get_default_dtype())
+            total = tensor.to(torch.float64)
             dist.all_reduce(total, op=ReduceOp.SUM, group=group)
             return total / dist.get_world_size(group)
         return super().reduce(tensor, group, reduce_op)
+
+    def _check_comm_hook(self, backend: str) -> None:
+        bf16 = (
+            self._ddp_comm_hook is default_hooks.bf16_compress_hook
+            or self._ddp_comm_wrapper is default_hooks.bf16_compress_wrapper
+        )
+        if bf16 and backend != "nccl":
+            raise StrategyConfigurationError(
+                "ddp_comm_hook",
+                "bf16",
+                f"torch's bfloat16 compression hook needs NCCL (CUDA), but the process group runs {backend}",
+                'use ddp_comm_hook="fp16" on the CPU, or train on GPUs',
+            )
 
     def _route_sampler_injection(self, trainer: Any) -> None:
         if self._shard_dataloaders is None:
@@ -343,6 +422,40 @@ class EnvDDPStrategy(DDPStrategy):
         )
 
 
+def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | None:
+    if ddp_impl == "torch":
+        return None
+    if ddp_impl != "apex":
+        raise StrategyConfigurationError(
+            "ddp_impl", ddp_impl, "it must be 'torch' or 'apex'", "use one of those values"
+        )
+    if torch_options:
+        raise StrategyConfigurationError(
+            "ddp_impl",
+            "apex",
+            f"{', '.join(torch_options)} belong to torch's DistributedDataParallel, which apex's does not have",
+            "drop them, or pass apex's own options (message_size=..., delay_allreduce=...) as keyword arguments",
+        )
+    ddp: type[Module] = load_apex_module("apex.parallel", "ddp_impl", "apex").DistributedDataParallel
+    return ddp
+
+
+def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> None:
+    # Checked here: in a single process DDP is never built, so a typo would only surface under the launcher.
+    accepted = set(inspect.signature(ddp_class.__init__).parameters) - {"self", "module"}
+    for name in ddp_kwargs:
+        if name in ("device_ids", "output_device"):
+            raise StrategyConfigurationError(
+                name, ddp_kwargs[name], "the strategy sets it from LOCAL_RANK", f"drop {name}"
+            )
+        if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(accepted))}"
+            raise StrategyConfigurationError(
+                name, ddp_kwargs[name], f"{ddp_class.__qualname__} has no such argument", hint
+            )
+
+
 def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
     if hook is None or callable(hook):
         return hook
@@ -356,13 +469,21 @@ def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., A
     return COMM_HOOKS[hook]
 
 
-def _resolve_timeout(timeout: timedelta | float) -> timedelta:
+def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:
+    if timeout is None:
+        return default_pg_timeout
+    if isinstance(timeout, bool):
+        raise StrategyConfigurationError("timeout", timeout, "it is a bool, not a duration", "e.g. timeout=1800")
     if not isinstance(timeout, timedelta):
         try:
             timeout = timedelta(seconds=float(timeout))
         except (TypeError, ValueError):
             raise StrategyConfigurationError(
                 "timeout", timeout, "it is neither a timedelta nor a number of seconds", "e.g. timeout=1800"
+            ) from None
+        except OverflowError:
+            raise StrategyConfigurationError(
+                "timeout", timeout, "it is too large to be a duration", "e.g. timeout=86400 for a day"
             ) from None
     if timeout.total_seconds() <= 0:
         raise StrategyConfigurationError(
@@ -377,6 +498,14 @@ def _broadcast_module_states(module: Module) -> None:
 
 
 def _destroy_process_group() -> None:
-    # Without this, gloo's threads can outlive the interpreter and abort the process at exit.
-    if dist.is_initialized():
+    # Without this, gloo's threads can outlive the interpreter and abort the process at exit. A Ctrl+C must not
+    # interrupt the teardown halfway (Lightning's own teardown guards it the same way).
+    if not dist.is_initialized():
+        return
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
         dist.destroy_process_group()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)

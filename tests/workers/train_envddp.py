@@ -66,6 +66,7 @@ class Module(L.LightningModule):
         self.train_indices: dict[int, list[int]] = defaultdict(list)
         self.eval_indices: list[int] = []
         self.batch_sizes: set[int] = set()
+        self.ddp: dict[str, Any] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, index = batch
@@ -74,6 +75,13 @@ class Module(L.LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         return loss
+
+    def on_train_end(self) -> None:
+        wrapper = self.trainer.model
+        self.ddp = {
+            "device_ids": getattr(wrapper, "device_ids", None),
+            "output_device": getattr(wrapper, "output_device", None),
+        }
 
     def on_validation_epoch_start(self) -> None:
         self.eval_indices = []
@@ -118,6 +126,7 @@ report = {
     "num_nodes": trainer.num_nodes,
     "num_devices": trainer.num_devices,
     "device": str(trainer.strategy.root_device),
+    "ddp": model.ddp,
     "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
     "train_batch_sizes": sorted(model.batch_sizes),
     "train_indices": model.train_indices,

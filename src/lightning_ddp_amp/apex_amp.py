@@ -1,0 +1,167 @@
+"""NVIDIA apex amp as a backend of :class:`~lightning_ddp_amp.AmpPrecision`.
+
+``apex.amp`` exists only in NVIDIA apex releases up to 25.05 (it was removed in May 2025), built from source with
+its CUDA extensions. The package called ``apex`` on PyPI is an unrelated web toolkit. This module finds apex, says
+precisely why it cannot be used when it cannot, and makes the calls the recipe made::
+
+    models, optimizer = amp.initialize(models, optimizer, opt_level="O1")   # before DDP
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any, NoReturn
+
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_ddp_amp.errors import ApexUnavailableError
+
+NATIVE_ALTERNATIVES = 'use the native backend instead: precision="amp-O1" (same O-levels) or precision="16-mixed"'
+_INSTALL = (
+    "build NVIDIA apex 25.05 or older from source with its CUDA extensions (pip install -v --no-build-isolation"
+    ' --config-settings "--build-option=--cpp_ext" --config-settings "--build-option=--cuda_ext"'
+    " git+https://github.com/NVIDIA/apex.git@25.05), or " + NATIVE_ALTERNATIVES
+)
+
+
+def find_amp() -> ModuleType | None:
+    """``apex.amp`` if it can be imported, else None. Never raises."""
+    try:
+        return load_apex_module("apex.amp", "backend", "apex")
+    except ApexUnavailableError:
+        return None
+
+
+def load_apex_module(name: str, field: str, value: Any) -> ModuleType:
+    """Import ``apex.amp`` or ``apex.parallel``, or explain why it cannot be imported.
+
+    Args:
+        name: ``"apex.amp"`` or ``"apex.parallel"``.
+        field: The setting that asked for apex, for the message (``"backend"``, ``"precision"``, ``"ddp_impl"``).
+        value: Its value.
+
+    Raises:
+        ApexUnavailableError: apex is not installed, lacks the module, or the module fails to import.
+    """
+    if importlib.util.find_spec("apex") is None:
+        raise ApexUnavailableError(
+            field,
+            value,
+            f"NVIDIA apex is not installed. {name} exists only in NVIDIA apex releases up to 25.05 (it was"
+            " removed from apex in May 2025), built from source; it is not on PyPI",
+            _INSTALL,
+        )
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name not in (name, "apex"):
+            _broken(name, field, value, error)
+        raise ApexUnavailableError(
+            field,
+            value,
+            f"the installed apex ({_apex_version()}) has no {name}: NVIDIA removed it after release 25.05, and"
+            " the 'apex' package on PyPI is an unrelated web toolkit",
+            _INSTALL,
+        ) from None
+    except ImportError as error:
+        _broken(name, field, value, error)
+
+
+def _broken(name: str, field: str, value: Any, error: ImportError) -> NoReturn:
+    raise ApexUnavailableError(
+        field,
+        value,
+        f"{name} fails to import ({error}); apex's compiled extensions were probably built for another torch or CUDA",
+        "rebuild apex from source against the installed torch, or " + NATIVE_ALTERNATIVES,
+    ) from error
+
+
+def _apex_version() -> str:
+    try:
+        return "apex " + importlib.metadata.version("apex")
+    except importlib.metadata.PackageNotFoundError:
+        return "apex, version unknown"
+
+
+def supports_device(amp: ModuleType, device_type: str) -> bool:
+    """Real apex amp needs CUDA. A stand-in may declare ``supports_cpu`` (the CPU test double does)."""
+    return device_type == "cuda" or bool(getattr(amp, "supports_cpu", False))
+
+
+class ApexAmp:
+    """The apex calls :class:`~lightning_ddp_amp.AmpPrecision` makes.
+
+    Args:
+        amp: The ``apex.amp`` module.
+        opt_level: ``"O0"`` … ``"O3"``.
+        options: The other ``amp.initialize`` arguments the user set (None values are left out).
+    """
+
+    def __init__(self, amp: ModuleType, opt_level: str, options: dict[str, Any]) -> None:
+        self.amp = amp
+        self.opt_level = opt_level
+        self.options = options
+        self.initialized = False
+
+    def initialize(self, modules: Sequence[Module], optimizers: Sequence[Optimizer]) -> None:
+        """``amp.initialize(models, optimizers, ...)``: once, before any DDP wrap, with the raw optimizers.
+
+        apex patches the modules and optimizers in place, so the objects Lightning holds stay valid.
+        """
+        self.amp.initialize(list(modules), list(optimizers), opt_level=self.opt_level, **self.options)
+        self.initialized = True
+
+    def backward(
+        self,
+        loss: Tensor,
+        optimizers: Sequence[Optimizer],
+        run_backward: Callable[[Tensor], None],
+        loss_id: int,
+        delay_unscale: bool,
+    ) -> bool:
+        """Run ``run_backward`` on the scaled loss inside ``amp.scale_loss``.
+
+        Returns:
+            Whether apex found an overflow and will skip the next ``step()`` of these optimizers.
+        """
+        before = self._scaler_state(loss_id)
+        with self.amp.scale_loss(loss, list(optimizers), loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
+            run_backward(scaled)
+        if delay_unscale:
+            return False
+        after = self._scaler_state(loss_id)
+        # apex's public state shows an overflow as a reset `unskipped` counter without the scale growing (it
+        # resets the counter when it doubles the scale, too).
+        return after["unskipped"] == 0 and after["loss_scale"] <= before["loss_scale"]
+
+    def _scaler_state(self, loss_id: int) -> dict[str, float]:
+        state: dict[str, dict[str, float]] = self.amp.state_dict()
+        return state[f"loss_scaler{loss_id}"]
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
+        params: Iterator[Tensor] = self.amp.master_params(optimizer)
+        return params
+
+    def loss_scalers(self) -> list[dict[str, float]]:
+        """``amp.state_dict()`` as a list: ``loss_scale`` and ``unskipped`` of each loss's scaler."""
+        state = self.amp.state_dict()
+        return [dict(state[key]) for key in sorted(state, key=lambda k: int(k.removeprefix("loss_scaler")))]
+
+    def load_loss_scalers(self, scalers: list[dict[str, float]]) -> None:
+        """``amp.load_state_dict``; apex requires ``amp.initialize`` to have run first."""
+        self.amp.load_state_dict({f"loss_scaler{index}": dict(state) for index, state in enumerate(scalers)})
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        # O1 patches torch functions globally and O2/O3 patch the models' forward: nothing to enter here.
+        yield
