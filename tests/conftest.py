@@ -9,11 +9,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 WORKERS = Path(__file__).parent / "workers"
+#: Holds the CPU test double of NVIDIA apex (see doubles/README.md).
+DOUBLES = Path(__file__).parent / "doubles"
 
 #: Everything a launcher or a cluster may export; in-process tests start without any of it.
 LAUNCHER_ENV = (
@@ -43,6 +46,38 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     rank_zero_only.rank = rank
 
 
+def _forget_apex(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.fixture
+def apex_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The apex test double as ``apex``, freshly imported (its amp may be initialized once per process)."""
+    _forget_apex(monkeypatch)
+    monkeypatch.syspath_prepend(str(DOUBLES))
+    import apex.amp
+
+    yield apex.amp
+    _forget_apex(monkeypatch)
+
+
+@pytest.fixture
+def no_apex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """apex cannot be imported, whatever is installed."""
+    _forget_apex(monkeypatch)
+    monkeypatch.setitem(sys.modules, "apex", None)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def apex_without_amp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An ``apex`` package without ``apex.amp``: a release after 25.05, or PyPI's unrelated 'apex'."""
+    _forget_apex(monkeypatch)
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,6 +98,7 @@ class Torchrun:
         port: int | None = None,
         extra: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        apex_double: bool = False,
     ) -> subprocess.Popen[str]:
         command = [
             sys.executable,
@@ -82,7 +118,7 @@ class Torchrun:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=worker_env(env),
+            env=worker_env(env, apex_double),
         )
 
     def run(self, script: str, *args: str, timeout: float = 180, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -91,8 +127,10 @@ class Torchrun:
         return finish(process, timeout)
 
 
-def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(extra: dict[str, str] | None = None, apex_double: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    if apex_double:
+        env["PYTHONPATH"] = os.pathsep.join([str(DOUBLES), *filter(None, [env.get("PYTHONPATH")])])
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     env.update(extra or {})
     return env

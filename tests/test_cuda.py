@@ -99,3 +99,58 @@ def test_one_visible_gpu_per_process_uses_cuda_0(tmp_path: Path) -> None:
     for process in processes:
         check(finish(process, timeout=300))
     assert [report(tmp_path, rank)["device"] for rank in (0, 1)] == ["cuda:0", "cuda:0"]
+
+
+def _real_apex() -> bool:
+    try:
+        import apex
+        import apex.amp
+    except ImportError:
+        return False
+    return not getattr(apex, "IS_TEST_DOUBLE", False)
+
+
+real_apex = pytest.mark.skipif(not _real_apex(), reason="needs real NVIDIA apex with apex.amp")
+
+
+def _train_amp(out: Path, *args: str, nproc: int = 1, torchrun: Torchrun | None = None) -> list[dict[str, object]]:
+    out.mkdir()
+    command = ("train_amp.py", "--out", str(out), "--accelerator", "cuda", *args)
+    if torchrun is not None:
+        check(torchrun.run(*command, nproc=nproc, timeout=300))
+    else:
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        result = subprocess.run(
+            [sys.executable, str(WORKERS / command[0]), *command[1:]],
+            env=worker_env(env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("amp-O1", "torch.float16"), ("bf16-mixed", "torch.bfloat16")])
+def test_native_amp_on_cuda(tmp_path: Path, precision: str, dtype: str) -> None:
+    (report,) = _train_amp(tmp_path / "run", "--precision", precision)
+    assert report["hidden_dtypes"] == [dtype]
+
+
+@pytest.mark.apex
+@real_apex
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_real_apex_trains_and_checkpoints_its_state(tmp_path: Path, level: str) -> None:
+    (report,) = _train_amp(tmp_path / "run", "--precision", f"apex-{level}", "--checkpoint")
+    assert report["precision_state"]["backend"] == "apex"
+    assert report["scheduler_steps"] == report["global_step"] - report["skipped"]
+    saved = torch.load(tmp_path / "run" / "last.ckpt", weights_only=False)["AmpPrecision"]
+    assert saved == report["precision_state"]
+
+
+@pytest.mark.apex
+@real_apex
+@two_gpus
+def test_real_apex_under_envddp_on_two_gpus(torchrun: Torchrun, tmp_path: Path) -> None:
+    reports = _train_amp(tmp_path / "run", "--precision", "apex-O1", "--ddp-impl", "apex", nproc=2, torchrun=torchrun)
+    assert [r["wrapper"] for r in reports] == ["DistributedDataParallel"] * 2

@@ -28,3 +28,50 @@ def test_demo_runs_unchanged_as_one_process() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0/1 (launched by none" in result.stdout
+
+
+CLI = EXAMPLES / "cli"
+
+
+def test_cli_config_with_amp_o1_trains_on_two_ranks(torchrun: Torchrun, tmp_path: Path) -> None:
+    # lightning_ddp_amp.cli.LightningCLI: `trainer.precision: amp-O1` (native here: no apex on the CPU).
+    args = ("fit", "--config", str(CLI / "amp_o1.yaml"), "--trainer.default_root_dir", str(tmp_path))
+    result = check(torchrun.run(str(CLI / "train.py"), *args))
+    assert "`Trainer.fit` stopped: `max_epochs=2` reached." in result.stdout
+
+
+def test_lightnings_own_cli_takes_the_plugin_in_trainer_plugins(tmp_path: Path) -> None:
+    args = ["fit", "--config", str(CLI / "plugins.yaml"), "--trainer.default_root_dir", str(tmp_path)]
+    result = subprocess.run(
+        [sys.executable, str(CLI / "train_lightning_cli.py"), *args],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "AmpPrecision: NVIDIA apex amp is not importable, so opt_level O1 runs on torch.amp" in result.stderr
+
+
+def test_cli_config_with_apex_o1_runs_with_the_apex_double(tmp_path: Path) -> None:
+    # The apex config as written needs a GPU; the CPU test double of apex stands in, on the CPU.
+    args = [
+        "fit",
+        "--config",
+        str(CLI / "apex_o1.yaml"),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(
+        [sys.executable, str(CLI / "train.py"), *args],
+        env=worker_env(apex_double=True),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "`Trainer.fit` stopped: `max_epochs=2` reached." in output
+    assert "not importable" not in output  # apex (the double) ran, not the native fallback

@@ -16,6 +16,8 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, NoReturn
@@ -24,7 +26,11 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_ddp_amp.errors import ApexUnavailableError
+from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
+
+# The amp modules initialized so far in this process: apex documents one amp.initialize per process.
+_INITIALIZED: weakref.WeakSet[ModuleType] = weakref.WeakSet()
+_OVERRIDDEN_STEP_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
 
 NATIVE_ALTERNATIVES = 'use the native backend instead: precision="amp-O1" (same O-levels) or precision="16-mixed"'
 _INSTALL = (
@@ -111,15 +117,25 @@ class ApexAmp:
         self.amp = amp
         self.opt_level = opt_level
         self.options = options
-        self.initialized = False
 
     def initialize(self, modules: Sequence[Module], optimizers: Sequence[Optimizer]) -> None:
         """``amp.initialize(models, optimizers, ...)``: once, before any DDP wrap, with the raw optimizers.
 
         apex patches the modules and optimizers in place, so the objects Lightning holds stay valid.
         """
+        if self.amp in _INITIALIZED:
+            raise PrecisionConfigurationError(
+                "backend",
+                "apex",
+                "apex amp was already initialized in this process by an earlier fit, and apex supports one"
+                " amp.initialize per process",
+                'start each fit in a new process (resume from the last checkpoint), or use backend="native"',
+            )
         self.amp.initialize(list(modules), list(optimizers), opt_level=self.opt_level, **self.options)
-        self.initialized = True
+        _INITIALIZED.add(self.amp)
+        # apex replaces optimizer.step in place after the schedulers were built; its step still calls the one
+        # the schedulers wrapped, so every schedule stays correct and torch's warning about it is a false alarm.
+        warnings.filterwarnings("ignore", message=_OVERRIDDEN_STEP_WARNING, category=UserWarning)
 
     def backward(
         self,

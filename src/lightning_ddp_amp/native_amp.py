@@ -11,8 +11,12 @@ O2        model in fp16 except batchnorm, fp32 master           autocast + dynam
                                                                 and batchnorm runs in fp32 under autocast. Not
                                                                 identical: activations are cast per operation
                                                                 rather than the whole model living in fp16
-O3        whole model in fp16, loss scale 1                     model and floating inputs cast to ``dtype``
-                                                                (Lightning's ``"16-true"``), no loss scaling
+O3        whole model in fp16, loss scale 1                     the selected modules cast to ``dtype``, their
+                                                                floating inputs to ``dtype`` and outputs to
+                                                                fp32 (as apex patches their forward); no loss
+                                                                scaling. With the LightningModule itself
+                                                                selected, the batch is cast instead
+                                                                (Lightning's ``"16-true"``)
 ========  ===================================================  ================================================
 
 ``dtype="bfloat16"`` runs the same levels in bfloat16, which needs no loss scaling. On the CPU, autocast and
@@ -77,6 +81,8 @@ class NativeAmp:
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         self.scaler: torch.amp.GradScaler | None = None
+        self.cast_batch = False
+        self._hooks: list[Any] = []
         if self.autocast and dtype == torch.float16:
             if loss_scale is None or loss_scale == "dynamic":
                 self.scaler = torch.amp.GradScaler(device_type, init_scale=min(max_loss_scale, 2.0**16))
@@ -85,13 +91,39 @@ class NativeAmp:
                 self.min_loss_scale = float(loss_scale)
                 self.scaler = torch.amp.GradScaler(device_type, init_scale=float(loss_scale), growth_interval=_NEVER)
 
-    def convert_module(self, module: Module) -> Module:
-        return module.to(dtype=self.dtype) if self.cast_model else module
+    def prepare(self, root: Module, selected: list[Module], cast_model_outputs: torch.dtype | None) -> None:
+        """Cast the selected modules (O3) and their inputs and outputs, as ``amp.initialize`` patches them.
+
+        Args:
+            root: The LightningModule.
+            selected: The modules handed to ``amp.initialize`` (``root`` itself by default).
+            cast_model_outputs: dtype for the selected modules' floating outputs, or None for the level's default.
+        """
+        self.release()
+        output_dtype = cast_model_outputs or (torch.float32 if self.cast_model else None)
+        for module in selected:
+            if self.cast_model:
+                module.to(dtype=self.dtype)
+            if module is root:
+                # Lightning calls training_step, not forward: cast the batch instead of the inputs.
+                self.cast_batch = self.cast_model
+                continue
+            if self.cast_model:
+                self._hooks.append(module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
+            if output_dtype is not None:
+                self._hooks.append(module.register_forward_hook(_cast_outputs(output_dtype)))
+
+    def release(self) -> None:
+        """Remove the hooks :meth:`prepare` registered."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _cast_inputs(self, module: Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return _cast_floats(args, self.dtype), _cast_floats(kwargs, self.dtype)
 
     def convert_input(self, data: Any) -> Any:
-        if not self.cast_model:
-            return data
-        return apply_to_collection(data, Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+        return _cast_floats(data, self.dtype) if self.cast_batch else data
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -153,3 +185,14 @@ class NativeAmp:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _cast_outputs(dtype: torch.dtype) -> Callable[[Module, Any, Any], Any]:
+    def hook(module: Module, inputs: Any, output: Any) -> Any:
+        return _cast_floats(output, dtype)
+
+    return hook

@@ -27,7 +27,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
@@ -114,12 +113,11 @@ class AmpPrecision(Precision):
             if backend == "auto":
                 level = LEVELS[opt_level].format(dtype=dtype)
                 rank_zero_info(
-                    f"AmpPrecision: NVIDIA apex amp is not importable; amp-{opt_level} runs on torch.amp: {level}"
+                    f"AmpPrecision: NVIDIA apex amp is not importable, so opt_level {opt_level} runs on torch.amp: {level}"
                 )
         self._optimizers: list[Optimizer] = []
         self._skipped: dict[int, bool] = {}
         self._stepping = False
-        self._output_casts: list[Any] = []
 
     def _resolve_backend(self, backend: str) -> str:
         if backend != "auto":
@@ -218,19 +216,8 @@ class AmpPrecision(Precision):
         if not optimizers:
             # Evaluation only: apex is initialized for training; the model runs as the last fit left it.
             return model, optimizers, lr_schedulers
-        modules = self.amp_modules(model)
         if self._apex is not None:
-            if self._apex.initialized:
-                raise PrecisionConfigurationError(
-                    "backend",
-                    "apex",
-                    "apex amp was already initialized in this process by an earlier fit, and apex supports one"
-                    " amp.initialize per process",
-                    'start each fit in a new process (resume from the last checkpoint), or use backend="native"',
-                )
-            self._apex.initialize(modules, optimizers)
-        elif self.cast_model_outputs is not None and not self._output_casts:
-            self._output_casts = [m.register_forward_hook(self._cast_output) for m in modules]
+            self._apex.initialize(self.amp_modules(model), optimizers)
         self._optimizers = list(optimizers)
         if self._scales_loss:
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
@@ -281,18 +268,12 @@ class AmpPrecision(Precision):
         """Whether the last step of ``optimizer`` was skipped because its gradients overflowed."""
         return self._skipped.get(id(optimizer), False)
 
-    def _cast_output(self, module: Module, inputs: Any, output: Any) -> Any:
-        dtype = self.cast_model_outputs
-        return apply_to_collection(output, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
     @override
     def convert_module(self, module: Module) -> Module:
-        # apex casts in amp.initialize; natively only O3 casts, and only the selected modules, as apex would.
-        if self._apex is not None or not self.native.cast_model:
-            return module
-        targets = self.amp_modules(module) if isinstance(module, LightningModule) else [module]
-        for target in targets:
-            self.native.convert_module(target)
+        # apex casts in amp.initialize; natively the selected modules are cast here, as apex would cast them.
+        if self._apex is None:
+            selected = self.amp_modules(module) if isinstance(module, LightningModule) else [module]
+            self.native.prepare(module, selected, self.cast_model_outputs)
         return module
 
     @override
@@ -414,9 +395,8 @@ class AmpPrecision(Precision):
 
     @override
     def teardown(self) -> None:
-        for handle in self._output_casts:
-            handle.remove()
-        self._output_casts = []
+        if self._native is not None:
+            self._native.release()
 
 
 class SkipAwareScheduler:

@@ -150,8 +150,10 @@ class EnvDDPStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=_resolve_timeout(timeout),
             **changed,
-            **ddp_kwargs,
         )
+        # Added after the fact, not forwarded through DDPStrategy.__init__: config parsers (jsonargparse) would
+        # otherwise offer every DDPStrategy and DDP argument as this strategy's own.
+        self._ddp_kwargs.update(ddp_kwargs)
         self.split_batches = split_batches
         self.exact_eval = exact_eval
         self._devices: list[torch.device] | None = None

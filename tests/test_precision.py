@@ -1,0 +1,434 @@
+"""AmpPrecision in one process: arguments, precision strings, the errors a user can meet, and training on the CPU
+with the native backend and with the apex test double (tests/doubles/apex)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddp_amp import (
+    AmpPrecision,
+    ApexUnavailableError,
+    EnvDDPStrategy,
+    PrecisionConfigurationError,
+    StrategyConfigurationError,
+)
+
+DATA = TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.randn(32, 1))
+
+
+class TwoModels(L.LightningModule):
+    """Two sub-models, one optimizer, a per-step LR schedule; records what the training step saw."""
+
+    def __init__(self, amp_models: bool = True, overflow_at_step: int = -1, manual_losses: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        self.model_b = torch.nn.Linear(16, 1)
+        self.overflow_at_step = overflow_at_step
+        self.manual_losses = manual_losses
+        self.automatic_optimization = manual_losses == 0
+        self.hidden_dtypes: set[torch.dtype] = set()
+        self.output_dtypes: set[torch.dtype] = set()
+        if amp_models:
+            self.configure_amp_models = lambda: [self.model_a, self.model_b]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.model_a(x)
+        output = self.model_b(hidden)
+        self.hidden_dtypes.add(hidden.dtype)
+        self.output_dtypes.add(output.dtype)
+        loss = torch.nn.functional.mse_loss(output.float(), y.float())
+        if self.global_step == self.overflow_at_step:
+            loss = loss * float("inf")
+        if self.manual_losses:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            for loss_id in range(self.manual_losses):
+                last = loss_id == self.manual_losses - 1
+                self.manual_backward(loss / (loss_id + 1), loss_id=loss_id, retain_graph=not last)
+            optimizer.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def trainer(**kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = dict(
+        strategy="envddp",
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def fit(model: L.LightningModule, **kwargs: Any) -> L.Trainer:
+    t = trainer(**kwargs)
+    t.fit(model, DataLoader(DATA, batch_size=4))
+    return t
+
+
+# --- arguments ------------------------------------------------------------------------------------------------
+
+BAD_ARGUMENTS = [
+    ({"opt_level": "O4"}, "opt_level", "it must be one of 'O0', 'O1', 'O2', 'O3'"),
+    ({"backend": "cuda"}, "backend", "it must be one of 'auto', 'apex', 'native'"),
+    ({"dtype": "float8"}, "dtype", "it must be one of 'float16', 'bfloat16'"),
+    ({"models": "model_a"}, "models", "non-empty list of attribute names"),
+    ({"models": []}, "models", "non-empty list of attribute names"),
+    ({"loss_scale": -1}, "loss_scale", 'it must be "dynamic" or a positive number'),
+    ({"loss_scale": "huge"}, "loss_scale", 'it must be "dynamic" or a positive number'),
+    ({"num_losses": 0}, "num_losses", "at least 1"),
+    ({"num_losses": True}, "num_losses", "at least 1"),
+    ({"min_loss_scale": 0}, "min_loss_scale", "it must be positive"),
+    ({"max_loss_scale": -2}, "max_loss_scale", "it must be positive"),
+    ({"min_loss_scale": 8, "max_loss_scale": 4}, "min_loss_scale", "it is above max_loss_scale=4"),
+    ({"cast_model_outputs": "floaty"}, "cast_model_outputs", "it is not a torch dtype"),
+    ({"opt_level": "O1", "keep_batchnorm_fp32": True}, "keep_batchnorm_fp32", "only applies to opt_level O2 and O3"),
+    ({"backend": "native", "opt_level": "O3", "loss_scale": 128}, "loss_scale", "no loss scaler"),
+    ({"backend": "native", "dtype": "bfloat16", "loss_scale": 128}, "loss_scale", "bfloat16 needs no loss scaling"),
+    ({"backend": "native", "opt_level": "O2", "keep_batchnorm_fp32": False}, "keep_batchnorm_fp32", "always runs"),
+    ({"backend": "native", "opt_level": "O3", "keep_batchnorm_fp32": True}, "keep_batchnorm_fp32", "whole model"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field", "words"), BAD_ARGUMENTS, ids=[str(c[0]) for c in BAD_ARGUMENTS])
+def test_bad_argument_names_the_field_its_value_and_the_fix(kwargs: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        AmpPrecision(**kwargs)
+    assert raised.value.field == field
+    assert str(raised.value).startswith(f"{field}=")
+    assert words in str(raised.value)
+    assert "Fix: " in str(raised.value)
+
+
+# --- precision strings ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_amp_strings_resolve_to_amp_precision(level: str, no_apex: None) -> None:
+    plugin = trainer(precision=f"amp-{level}").precision_plugin
+    assert isinstance(plugin, AmpPrecision)
+    assert (plugin.opt_level, plugin.backend) == (level, "native")
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_apex_strings_resolve_to_the_apex_backend(level: str, apex_double: ModuleType) -> None:
+    plugin = trainer(precision=f"apex-{level}").precision_plugin
+    assert isinstance(plugin, AmpPrecision)
+    assert (plugin.opt_level, plugin.backend) == (level, "apex")
+
+
+def test_amp_strings_prefer_apex_when_it_is_importable(apex_double: ModuleType) -> None:
+    assert trainer(precision="amp-O2").precision_plugin.backend == "apex"
+
+
+@pytest.mark.parametrize(
+    ("value", "plugin_type"),
+    [
+        ("32-true", Precision),
+        (32, Precision),
+        ("16-mixed", MixedPrecision),
+        ("bf16-mixed", MixedPrecision),
+        ("16-true", HalfPrecision),
+        ("bf16-true", HalfPrecision),
+        ("64-true", DoublePrecision),
+    ],
+)
+def test_lightnings_own_values_behave_as_before(value: Any, plugin_type: type) -> None:
+    plugin = trainer(precision=value).precision_plugin
+    assert type(plugin) is plugin_type
+
+
+@pytest.mark.parametrize("value", ["apex-O9", "amp-O4", "apex-o1", "apex"])
+def test_other_values_are_still_rejected_by_lightning(value: str) -> None:
+    with pytest.raises(ValueError, match="is invalid"):
+        trainer(precision=value)
+
+
+def test_a_precision_string_and_a_precision_plugin_conflict(no_apex: None) -> None:
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        trainer(precision="amp-O1", plugins=[AmpPrecision()])
+    assert str(raised.value).startswith("precision='amp-O1': plugins also holds a precision plugin (AmpPrecision)")
+
+
+def test_falling_back_to_native_prints_one_line_with_the_mapping(
+    no_apex: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        trainer(precision="amp-O2")
+    lines = [r.getMessage() for r in caplog.records if "AmpPrecision" in r.getMessage()]
+    assert lines == [
+        "AmpPrecision: NVIDIA apex amp is not importable, so opt_level O2 runs on torch.amp: torch.autocast(float16)"
+        " with dynamic loss scaling; weights stay fp32 as O2's master weights"
+    ]
+
+
+# --- apex that cannot run -------------------------------------------------------------------------------------
+
+
+def test_apex_not_installed_says_where_apex_amp_exists_and_the_native_alternatives(no_apex: None) -> None:
+    with pytest.raises(ApexUnavailableError) as raised:
+        trainer(precision="apex-O1")
+    message = str(raised.value)
+    assert message.startswith("precision='apex-O1': NVIDIA apex is not installed.")
+    assert "apex.amp exists only in NVIDIA apex releases up to 25.05 (it was removed from apex in May 2025)" in message
+    assert "built from source" in message
+    assert 'precision="amp-O1"' in message and 'precision="16-mixed"' in message
+
+
+def test_apex_without_amp_says_it_was_removed(apex_without_amp: None) -> None:
+    with pytest.raises(ApexUnavailableError) as raised:
+        AmpPrecision(backend="apex")
+    message = str(raised.value)
+    assert message.startswith("backend='apex': the installed apex (")
+    assert "has no apex.amp: NVIDIA removed it after release 25.05" in message
+
+
+def test_auto_backend_without_amp_falls_back_to_native(apex_without_amp: None) -> None:
+    assert AmpPrecision(backend="auto").backend == "native"
+
+
+def test_apex_on_a_cpu_accelerator_is_an_error(apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(apex_double, "supports_cpu", False)  # as real apex: CUDA only
+    with pytest.raises(ApexUnavailableError) as raised:
+        trainer(precision="apex-O1")
+    assert str(raised.value).startswith("accelerator='cpu': apex amp needs CUDA")
+    assert 'precision="amp-O1"' in str(raised.value)
+
+
+def test_apex_with_lightnings_ddp_points_at_envddp(apex_double: ModuleType) -> None:
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        trainer(strategy="ddp", devices=1, precision="apex-O1")
+    message = str(raised.value)
+    assert message.startswith("strategy='DDPStrategy': this strategy wraps the model in DistributedDataParallel")
+    assert 'use strategy="envddp"' in message
+
+
+def test_apex_bfloat16_is_an_error(apex_double: ModuleType) -> None:
+    with pytest.raises(PrecisionConfigurationError, match=r"^dtype='bfloat16': apex amp computes in float16 only"):
+        AmpPrecision(backend="apex", dtype="bfloat16")
+
+
+def test_auto_backend_runs_bfloat16_natively_even_with_apex(apex_double: ModuleType) -> None:
+    assert AmpPrecision(dtype="bfloat16").backend == "native"
+
+
+def test_apex_ddp_without_apex_is_an_error(no_apex: None) -> None:
+    with pytest.raises(ApexUnavailableError, match=r"^ddp_impl='apex': NVIDIA apex is not installed"):
+        EnvDDPStrategy(ddp_impl="apex")
+
+
+def test_apex_ddp_rejects_torch_ddp_options(apex_double: ModuleType) -> None:
+    with pytest.raises(StrategyConfigurationError, match=r"^ddp_impl='apex': find_unused_parameters belong to torch"):
+        EnvDDPStrategy(ddp_impl="apex", find_unused_parameters=True)
+
+
+# --- native backend on the CPU --------------------------------------------------------------------------------
+
+
+def test_native_o1_runs_fp16_autocast_with_a_scaler_on_the_cpu(no_apex: None) -> None:
+    model = TwoModels()
+    t = fit(model, precision="amp-O1")
+    assert model.hidden_dtypes == {torch.float16}
+    assert t.precision == "16-mixed"
+    state = t.precision_plugin.state_dict()
+    assert state["backend"] == "native"
+    assert state["grad_scaler"]["_growth_tracker"] > 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_native_bfloat16_needs_no_scaler(no_apex: None) -> None:
+    model = TwoModels()
+    t = fit(model, plugins=[AmpPrecision(dtype="bfloat16")])
+    assert model.hidden_dtypes == {torch.bfloat16}
+    assert t.precision == "bf16-mixed"
+    assert t.precision_plugin.native.scaler is None
+
+
+def test_native_o0_is_fp32(no_apex: None) -> None:
+    model = TwoModels()
+    assert fit(model, precision="amp-O0").precision == "32-true"
+    assert model.hidden_dtypes == {torch.float32}
+
+
+def test_native_o3_casts_the_selected_modules_as_apex_would(no_apex: None) -> None:
+    model = TwoModels(amp_models=False)
+    fit(model, plugins=[AmpPrecision(opt_level="O3", backend="native", models=["model_a"])])
+    assert model.model_a[0].weight.dtype == torch.float16
+    assert model.model_b.weight.dtype == torch.float32
+    assert model.hidden_dtypes == {torch.float32}  # model_a ran in fp16; apex casts its output back to fp32
+
+
+def test_native_o3_of_the_whole_module_casts_the_batch(no_apex: None) -> None:
+    model = TwoModels(amp_models=False)
+    assert fit(model, precision="amp-O3").precision == "16-true"
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert model.hidden_dtypes == model.output_dtypes == {torch.float16}
+
+
+def test_native_cast_model_outputs(no_apex: None) -> None:
+    model = TwoModels()
+    fit(model, plugins=[AmpPrecision(cast_model_outputs="float32")])
+    assert model.hidden_dtypes == {torch.float32}  # the selected modules' outputs, cast back under autocast
+
+
+def test_native_max_loss_scale_caps_the_scaler(no_apex: None) -> None:
+    t = fit(TwoModels(), plugins=[AmpPrecision(max_loss_scale=1024.0)])
+    assert t.precision_plugin.native.scaler.get_scale() <= 1024.0
+
+
+def test_native_overflow_skips_the_step_and_holds_the_schedule(no_apex: None) -> None:
+    model = TwoModels(overflow_at_step=3)
+    t = fit(model, plugins=[AmpPrecision(max_loss_scale=256.0)])
+    scheduler = t.lr_scheduler_configs[0].scheduler
+    assert t.global_step == 8
+    assert scheduler.last_epoch == 7  # 8 steps, one skipped on overflow
+    assert t.precision_plugin.native.scaler.get_scale() == 128.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_native_scaler_state_survives_a_checkpoint(no_apex: None, tmp_path: Path) -> None:
+    t = fit(TwoModels(overflow_at_step=1), plugins=[AmpPrecision(max_loss_scale=256.0)])
+    t.save_checkpoint(tmp_path / "amp.ckpt")
+    saved = torch.load(tmp_path / "amp.ckpt", weights_only=False)["AmpPrecision"]
+    assert saved["grad_scaler"]["scale"] == 128.0
+    resumed = trainer(max_epochs=2, plugins=[AmpPrecision(max_loss_scale=256.0)])
+    restored: dict[str, Any] = {}
+
+    class Probe(TwoModels):
+        def on_train_start(self) -> None:
+            restored.update(self.trainer.precision_plugin.state_dict())
+
+    resumed.fit(Probe(), DataLoader(DATA, batch_size=4), ckpt_path=tmp_path / "amp.ckpt")
+    assert restored["grad_scaler"] == saved["grad_scaler"]
+
+
+def test_a_foreign_precision_state_is_a_clear_error(no_apex: None) -> None:
+    with pytest.raises(PrecisionConfigurationError, match=r"^checkpoint=\['scale'\]: .*not written by AmpPrecision"):
+        AmpPrecision().load_state_dict({"scale": 2.0})
+
+
+# --- apex backend, with the test double -----------------------------------------------------------------------
+
+
+def events(amp: ModuleType, kind: str) -> list[dict[str, Any]]:
+    return [e for e in amp.events if e["event"] == kind]
+
+
+def test_initialize_gets_the_sub_models_and_the_one_optimizer(apex_double: ModuleType) -> None:
+    fit(TwoModels(), precision="apex-O1")
+    (initialize,) = events(apex_double, "initialize")
+    assert initialize["models"] == ["Sequential", "Linear"]
+    assert initialize["optimizers"] == ["SGD"]
+    assert initialize["opt_level"] == "O1"
+
+
+def test_models_can_be_named_on_the_plugin(apex_double: ModuleType) -> None:
+    fit(TwoModels(amp_models=False), plugins=[AmpPrecision(backend="apex", models=["model_b", "model_a"])])
+    assert events(apex_double, "initialize")[0]["models"] == ["Linear", "Sequential"]
+
+
+def test_default_is_the_lightning_module(apex_double: ModuleType) -> None:
+    fit(TwoModels(amp_models=False), precision="apex-O1")
+    assert events(apex_double, "initialize")[0]["models"] == ["TwoModels"]
+
+
+def test_unknown_model_name_lists_the_children(apex_double: ModuleType) -> None:
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        fit(TwoModels(amp_models=False), plugins=[AmpPrecision(backend="apex", models=["encoder"])])
+    assert str(raised.value).startswith("models='encoder': TwoModels has no sub-module of that name")
+    assert "model_a, model_b" in str(raised.value)
+
+
+def test_both_model_sources_conflict(apex_double: ModuleType) -> None:
+    with pytest.raises(PrecisionConfigurationError, match=r"^models=\['model_a'\]: TwoModels also defines"):
+        fit(TwoModels(), plugins=[AmpPrecision(backend="apex", models=["model_a"])])
+
+
+def test_amp_initialize_options_reach_apex(apex_double: ModuleType) -> None:
+    plugin = AmpPrecision(
+        opt_level="O2",
+        backend="apex",
+        keep_batchnorm_fp32=True,
+        loss_scale=128.0,
+        num_losses=2,
+        min_loss_scale=1.0,
+        max_loss_scale=4096.0,
+        cast_model_outputs="float32",
+    )
+    fit(TwoModels(), plugins=[plugin])
+    (initialize,) = events(apex_double, "initialize")
+    assert {k: initialize[k] for k in ("opt_level", "keep_batchnorm_fp32", "loss_scale", "num_losses")} == {
+        "opt_level": "O2",
+        "keep_batchnorm_fp32": True,
+        "loss_scale": 128.0,
+        "num_losses": 2,
+    }
+    assert (initialize["min_loss_scale"], initialize["max_loss_scale"]) == (1.0, 4096.0)
+    assert initialize["cast_model_outputs"] == "torch.float32"
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_every_backward_runs_inside_scale_loss_and_steps_take_no_closure(apex_double: ModuleType, level: str) -> None:
+    # The double's O2 optimizer.step() rejects a closure, as apex's does.
+    t = fit(TwoModels(), precision=f"apex-{level}")
+    assert apex_double.backward_outside_scale_loss() == 0
+    assert len(events(apex_double, "scale_loss")) == t.global_step == 8
+
+
+def test_gradient_accumulation_delays_unscaling_until_the_last_micro_batch(apex_double: ModuleType) -> None:
+    t = fit(TwoModels(), precision="apex-O1", accumulate_grad_batches=2)
+    assert [e["delay_unscale"] for e in events(apex_double, "scale_loss")] == [True, False] * 4
+    assert t.global_step == 4
+
+
+def test_manual_optimization_with_two_losses_uses_their_own_scalers(apex_double: ModuleType) -> None:
+    fit(TwoModels(manual_losses=2), plugins=[AmpPrecision(backend="apex", num_losses=2)])
+    assert [e["loss_id"] for e in events(apex_double, "scale_loss")] == [0, 1] * 8
+    assert apex_double.backward_outside_scale_loss() == 0
+
+
+def test_apex_overflow_skips_the_step_and_holds_the_schedule(apex_double: ModuleType) -> None:
+    model = TwoModels(overflow_at_step=3)
+    t = fit(model, precision="apex-O1")
+    assert len(events(apex_double, "skipped_step")) == 1
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == t.global_step - 1
+    assert t.precision_plugin.state_dict()["loss_scalers"] == [{"loss_scale": 32768.0, "unskipped": 4}]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_gradient_clipping_uses_amp_master_params(apex_double: ModuleType) -> None:
+    t = fit(TwoModels(), precision="apex-O2", gradient_clip_val=0.5)
+    optimizer = t.optimizers[0]
+    assert list(t.precision_plugin.main_params(optimizer)) == list(apex_double.master_params(optimizer))
+
+
+def test_a_second_fit_in_the_same_process_is_a_clear_error(apex_double: ModuleType) -> None:
+    fit(TwoModels(), precision="apex-O1")
+    with pytest.raises(PrecisionConfigurationError, match=r"^backend='apex': apex amp was already initialized"):
+        fit(TwoModels(), precision="apex-O1")
+
+
+def test_a_native_checkpoint_carries_its_loss_scale_to_apex(apex_double: ModuleType) -> None:
+    plugin = AmpPrecision(backend="apex")
+    plugin.connect(TwoModels(), [torch.optim.SGD(TwoModels().parameters(), lr=0.1)], [])
+    plugin.load_state_dict({"backend": "native", "loss_scalers": [{"loss_scale": 512.0, "unskipped": 7}]})
+    assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 7}

@@ -1,0 +1,135 @@
+"""Two sub-models and one optimizer, the classic apex recipe, under Trainer(strategy="envddp", precision=...).
+
+Each rank writes OUT/rank<RANK>.json: what the precision plugin did (the apex double's event log when apex is the
+test double), the loss-scaler state right after a resume, the LR scheduler's progress; rank 0 saves the weights.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import LR, SEED, train_set
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--precision", default="32-true", help="a Trainer precision value, or 'plugin'")
+parser.add_argument("--opt-level", default="O1", help="with --precision plugin")
+parser.add_argument("--dtype", default="float16", help="with --precision plugin")
+parser.add_argument("--ddp-impl", default="torch")
+parser.add_argument("--accelerator", default="cpu")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--overflow-at-step", type=int, default=-1, help="multiply the loss by inf at this step")
+parser.add_argument("--checkpoint", action="store_true", help="save the last checkpoint to OUT/last.ckpt")
+parser.add_argument("--resume", default=None, help="checkpoint to resume from")
+args = parser.parse_args()
+out = Path(args.out)
+
+
+def apex_events() -> list[dict[str, Any]]:
+    try:
+        from apex import amp  # the test double, when tests/doubles is on PYTHONPATH
+    except ImportError:
+        return []
+    return amp.events
+
+
+class RecordingEnvDDPStrategy(EnvDDPStrategy):
+    """EnvDDPStrategy that notes, in the apex double's event log, when it wraps the model in DDP."""
+
+    def _setup_model(self, model: torch.nn.Module) -> Any:
+        apex_events().append({"event": "ddp_wrap", "model": type(model).__name__})
+        return super()._setup_model(model)
+
+
+class TwoModels(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        self.model_b = torch.nn.Linear(16, 1)
+        self.hidden_dtypes: set[str] = set()
+        self.skipped = 0
+        self.at_start: dict[str, Any] = {}
+        self.wrapper = ""
+
+    def configure_amp_models(self) -> list[torch.nn.Module]:
+        return [self.model_a, self.model_b]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        hidden = self.model_a(x)
+        self.hidden_dtypes.add(str(hidden.dtype))
+        loss = torch.nn.functional.mse_loss(self.model_b(hidden).float(), y)
+        if self.global_step == args.overflow_at_step:
+            loss = loss * float("inf")
+        return loss
+
+    def on_train_start(self) -> None:
+        # Runs after Lightning restored the checkpoint (precision state included), before any step.
+        self.at_start = {"precision_state": self.trainer.precision_plugin.state_dict(), "global_step": self.global_step}
+
+    def on_train_end(self) -> None:
+        self.wrapper = type(self.trainer.model).__qualname__
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, AmpPrecision) and plugin.step_skipped(self.optimizers().optimizer):
+            self.skipped += 1
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+precision: Any = args.precision
+plugins: list[Any] = []
+if args.precision == "plugin":
+    precision = None
+    plugins = [AmpPrecision(opt_level=args.opt_level, backend="native", dtype=args.dtype)]
+callbacks = [ModelCheckpoint(dirpath=out, filename="last", save_top_k=1)] if args.checkpoint else []
+trainer = L.Trainer(
+    strategy=RecordingEnvDDPStrategy(ddp_impl=args.ddp_impl),
+    accelerator=args.accelerator,
+    precision=precision,
+    plugins=plugins,
+    max_epochs=args.epochs,
+    logger=False,
+    callbacks=callbacks,
+    enable_checkpointing=args.checkpoint,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+model = TwoModels()
+trainer.fit(model, DataLoader(train_set(), batch_size=4, shuffle=True), ckpt_path=args.resume)
+
+events = apex_events()
+outside = None
+if events:
+    from apex import amp
+
+    outside = amp.backward_outside_scale_loss()
+scheduler = model.lr_schedulers()
+report = {
+    "precision": trainer.precision,
+    "events": events,
+    "backward_outside_scale_loss": outside,
+    "hidden_dtypes": sorted(model.hidden_dtypes),
+    "global_step": trainer.global_step,
+    "scheduler_steps": scheduler.last_epoch,
+    "skipped": model.skipped,
+    "at_start": model.at_start,
+    "precision_state": trainer.precision_plugin.state_dict(),
+    "wrapper": model.wrapper,
+}
+(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report, default=str))
+if trainer.is_global_zero:
+    torch.save({k: v.float().cpu() for k, v in model.state_dict().items()}, out / "weights.pt")
