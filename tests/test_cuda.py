@@ -143,6 +143,8 @@ def test_native_amp_on_cuda(tmp_path: Path, precision: str, dtype: str) -> None:
 def test_real_apex_trains_and_checkpoints_its_state(tmp_path: Path, level: str) -> None:
     (report,) = _train_amp(tmp_path / "run", "--precision", f"apex-{level}", "--checkpoint")
     assert report["precision_state"]["backend"] == "apex"
+    # Real fp16 overflows only while the dynamic scale settles: a frozen schedule would show here.
+    assert report["skipped"] <= 3
     assert report["scheduler_steps"] == report["global_step"] - report["skipped"]
     saved = torch.load(tmp_path / "run" / "last.ckpt", weights_only=False)["AmpPrecision"]
     assert saved == report["precision_state"]
@@ -153,4 +155,4 @@ def test_real_apex_trains_and_checkpoints_its_state(tmp_path: Path, level: str) 
 @two_gpus
 def test_real_apex_under_envddp_on_two_gpus(torchrun: Torchrun, tmp_path: Path) -> None:
     reports = _train_amp(tmp_path / "run", "--precision", "apex-O1", "--ddp-impl", "apex", nproc=2, torchrun=torchrun)
-    assert [r["wrapper"] for r in reports] == ["DistributedDataParallel"] * 2
+    assert all(str(r["wrapper"]).startswith("apex.parallel") for r in reports)

@@ -28,12 +28,15 @@ DATA = TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(
 class TwoModels(L.LightningModule):
     """Two sub-models, one optimizer, a per-step LR schedule; records what the training step saw."""
 
-    def __init__(self, amp_models: bool = True, overflow_at_step: int = -1, manual_losses: int = 0) -> None:
+    def __init__(
+        self, amp_models: bool = True, overflow_at_step: int = -1, manual_losses: int = 0, overflow_loss_id: int = -1
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
         self.model_b = torch.nn.Linear(16, 1)
         self.overflow_at_step = overflow_at_step
+        self.overflow_loss_id = overflow_loss_id
         self.manual_losses = manual_losses
         self.automatic_optimization = manual_losses == 0
         self.hidden_dtypes: set[torch.dtype] = set()
@@ -48,19 +51,25 @@ class TwoModels(L.LightningModule):
         self.hidden_dtypes.add(hidden.dtype)
         self.output_dtypes.add(output.dtype)
         loss = torch.nn.functional.mse_loss(output.float(), y.float())
-        if self.global_step == self.overflow_at_step:
+        overflow = self.global_step == self.overflow_at_step
+        if overflow and self.overflow_loss_id < 0:
             loss = loss * float("inf")
         if self.manual_losses:
             optimizer = self.optimizers()
             optimizer.zero_grad()
             for loss_id in range(self.manual_losses):
+                part = loss / (loss_id + 1)
+                if overflow and loss_id == self.overflow_loss_id:
+                    part = part * float("inf")
                 last = loss_id == self.manual_losses - 1
-                self.manual_backward(loss / (loss_id + 1), loss_id=loss_id, retain_graph=not last)
+                amp = {"loss_id": loss_id} if isinstance(self.trainer.precision_plugin, AmpPrecision) else {}
+                self.manual_backward(part, retain_graph=not last, **amp)
             optimizer.step()
+            self.lr_schedulers().step()
         return loss
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -167,6 +176,18 @@ def test_a_precision_string_and_a_precision_plugin_conflict(no_apex: None) -> No
     with pytest.raises(PrecisionConfigurationError) as raised:
         trainer(precision="amp-O1", plugins=[AmpPrecision()])
     assert str(raised.value).startswith("precision='amp-O1': plugins also holds a precision plugin (AmpPrecision)")
+
+
+def test_bfloat16_under_auto_says_why_it_runs_natively(
+    apex_double: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        AmpPrecision(dtype="bfloat16")
+    (line,) = [r.getMessage() for r in caplog.records if "AmpPrecision" in r.getMessage()]
+    assert line == (
+        "AmpPrecision: apex amp has no bfloat16, so opt_level O1 runs on torch.amp: torch.autocast(bfloat16) with no"
+        " loss scaling"
+    )
 
 
 def test_falling_back_to_native_prints_one_line_with_the_mapping(
@@ -295,6 +316,42 @@ def test_native_max_loss_scale_caps_the_scaler(no_apex: None) -> None:
     assert t.precision_plugin.native.scaler.get_scale() <= 1024.0
 
 
+def test_native_min_loss_scale_floors_the_scaler_after_an_overflow(no_apex: None) -> None:
+    t = fit(TwoModels(overflow_at_step=3), plugins=[AmpPrecision(min_loss_scale=256.0, max_loss_scale=256.0)])
+    assert t.precision_plugin.native.scaler.get_scale() == 256.0  # halved by the overflow, then floored
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == 7
+
+
+def test_native_runs_under_lightnings_own_ddp(no_apex: None) -> None:
+    import torch.distributed as dist
+
+    model = TwoModels()
+    try:
+        t = fit(model, strategy="ddp", devices=1, precision="amp-O1")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert model.hidden_dtypes == {torch.float16}
+    assert t.global_step == 8
+
+
+def test_lbfgs_works_where_nothing_is_scaled(no_apex: None) -> None:
+    class WithLBFGS(TwoModels):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    assert fit(WithLBFGS(), precision="amp-O0").global_step == 8
+
+
+def test_lbfgs_with_loss_scaling_is_an_error(no_apex: None) -> None:
+    class WithLBFGS(TwoModels):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    with pytest.raises(PrecisionConfigurationError, match=r"^optimizer='LBFGS': LBFGS re-evaluates its closure"):
+        fit(WithLBFGS(), precision="amp-O1")
+
+
 def test_native_overflow_skips_the_step_and_holds_the_schedule(no_apex: None) -> None:
     model = TwoModels(overflow_at_step=3)
     t = fit(model, plugins=[AmpPrecision(max_loss_scale=256.0)])
@@ -400,10 +457,101 @@ def test_gradient_accumulation_delays_unscaling_until_the_last_micro_batch(apex_
     assert t.global_step == 4
 
 
-def test_manual_optimization_with_two_losses_uses_their_own_scalers(apex_double: ModuleType) -> None:
-    fit(TwoModels(manual_losses=2), plugins=[AmpPrecision(backend="apex", num_losses=2)])
+def test_manual_optimization_with_two_losses_matches_fp32(apex_double: ModuleType) -> None:
+    reference = TwoModels(manual_losses=2)
+    fit(reference, strategy="auto")
+    model = TwoModels(manual_losses=2)
+    fit(model, plugins=[AmpPrecision(backend="apex", num_losses=2)])
     assert [e["loss_id"] for e in events(apex_double, "scale_loss")] == [0, 1] * 8
     assert apex_double.backward_outside_scale_loss() == 0
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_an_overflow_in_one_of_two_losses_still_skips_the_step(apex_double: ModuleType) -> None:
+    model = TwoModels(manual_losses=2, overflow_at_step=3, overflow_loss_id=0)
+    t = fit(model, plugins=[AmpPrecision(backend="apex", num_losses=2)])
+    assert len(events(apex_double, "skipped_step")) == 1
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == t.global_step - 1
+
+
+def test_a_loss_id_beyond_num_losses_is_an_error(apex_double: ModuleType) -> None:
+    with pytest.raises(PrecisionConfigurationError, match=r"^loss_id=1: AmpPrecision has num_losses=1 loss scaler"):
+        fit(TwoModels(manual_losses=2), precision="apex-O1")
+
+
+def test_manual_backward_can_name_its_optimizers(apex_double: ModuleType) -> None:
+    class TwoOptimizers(TwoModels):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt_a, opt_b = self.optimizers()
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.model_b(self.model_a(x)), y)
+            self.manual_backward(loss, optimizers=[opt_a])
+            opt_a.step()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.model_a.parameters(), lr=0.1), torch.optim.SGD(
+                self.model_b.parameters(), lr=0.1
+            )
+
+    model = TwoOptimizers()
+    model.automatic_optimization = False
+    fit(model, precision="apex-O1")
+    assert {e["optimizers"] for e in events(apex_double, "scale_loss")} == {1}
+
+
+def test_static_loss_scale_of_one_never_reads_as_a_skip(apex_double: ModuleType) -> None:
+    # apex takes a short cut for O0 (static scale 1): nothing is unscaled or checked, nothing is skipped.
+    t = fit(TwoModels(), precision="apex-O0")
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == t.global_step == 8
+
+
+def test_configure_amp_models_may_return_one_module(apex_double: ModuleType) -> None:
+    model = TwoModels(amp_models=False)
+    model.configure_amp_models = lambda: model.model_a
+    fit(model, precision="apex-O1")
+    assert events(apex_double, "initialize")[0]["models"] == ["Sequential"]
+
+
+def test_apex_o2_of_the_whole_module_casts_the_batch(apex_double: ModuleType) -> None:
+    # apex O2/O3 cast the module and patch its forward, which Lightning never calls: the batch is cast instead.
+    plugin = AmpPrecision(opt_level="O2", backend="apex")
+    model = TwoModels(amp_models=False)
+    plugin.connect(model, [torch.optim.SGD(model.parameters(), lr=0.1)], [])
+    batch = plugin.convert_input((torch.ones(2, 8), torch.arange(2)))
+    assert (batch[0].dtype, batch[1].dtype) == (torch.float16, torch.int64)
+
+
+def test_apex_state_before_initialize_waits_for_it(apex_double: ModuleType) -> None:
+    plugin = AmpPrecision(backend="apex")
+    assert plugin.state_dict() == {"backend": "apex", "opt_level": "O1", "loss_scalers": []}
+    plugin.load_state_dict(
+        {"backend": "apex", "opt_level": "O1", "loss_scalers": [{"loss_scale": 8.0, "unskipped": 3}]}
+    )
+    model = TwoModels()
+    plugin.connect(model, [torch.optim.SGD(model.parameters(), lr=0.1)], [])
+    assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 8.0, "unskipped": 3}
+
+
+def test_o2_master_weights_are_built_before_a_checkpoint_restores_the_optimizer(apex_double: ModuleType) -> None:
+    fit(TwoModels(), precision="apex-O2")
+    kinds = [e["event"] for e in apex_double.events]
+    assert kinds.index("initialize") < kinds.index("lazy_init") < kinds.index("scale_loss")
+
+
+def test_skip_aware_scheduler_copies_and_forwards_attributes() -> None:
+    import copy
+
+    from lightning_ddp_amp.precision import SkipAwareScheduler
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), lambda _: False)
+    copy.deepcopy(scheduler)
+    copy.copy(scheduler)
+    scheduler.gamma = 0.25
+    assert scheduler.scheduler.gamma == 0.25
 
 
 def test_apex_overflow_skips_the_step_and_holds_the_schedule(apex_double: ModuleType) -> None:
@@ -415,10 +563,18 @@ def test_apex_overflow_skips_the_step_and_holds_the_schedule(apex_double: Module
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_gradient_clipping_uses_amp_master_params(apex_double: ModuleType) -> None:
+def test_gradient_clipping_uses_amp_master_params(apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    master_params = apex_double.master_params
+
+    def recording_master_params(optimizer: torch.optim.Optimizer) -> Any:
+        calls.append(type(optimizer).__name__)
+        return master_params(optimizer)
+
+    monkeypatch.setattr(apex_double, "master_params", recording_master_params)
     t = fit(TwoModels(), precision="apex-O2", gradient_clip_val=0.5)
-    optimizer = t.optimizers[0]
-    assert list(t.precision_plugin.main_params(optimizer)) == list(apex_double.master_params(optimizer))
+    # Per step: the double's own scale_loss reads master_params twice (stash, unscale), clipping once more.
+    assert calls == ["SGD"] * 3 * t.global_step
 
 
 def test_a_second_fit_in_the_same_process_is_a_clear_error(apex_double: ModuleType) -> None:

@@ -79,11 +79,11 @@ def load_apex_module(name: str, field: str, value: Any) -> ModuleType:
             " the 'apex' package on PyPI is an unrelated web toolkit",
             _INSTALL,
         ) from None
-    except ImportError as error:
+    except Exception as error:  # apex imports its compiled extensions: any failure there lands here
         _broken(name, field, value, error)
 
 
-def _broken(name: str, field: str, value: Any, error: ImportError) -> NoReturn:
+def _broken(name: str, field: str, value: Any, error: Exception) -> NoReturn:
     raise ApexUnavailableError(
         field,
         value,
@@ -117,13 +117,18 @@ class ApexAmp:
         self.amp = amp
         self.opt_level = opt_level
         self.options = options
+        self._pending_loss_scalers: list[dict[str, float]] | None = None
+
+    @property
+    def initialized(self) -> bool:
+        return self.amp in _INITIALIZED
 
     def initialize(self, modules: Sequence[Module], optimizers: Sequence[Optimizer]) -> None:
         """``amp.initialize(models, optimizers, ...)``: once, before any DDP wrap, with the raw optimizers.
 
         apex patches the modules and optimizers in place, so the objects Lightning holds stay valid.
         """
-        if self.amp in _INITIALIZED:
+        if self.initialized:
             raise PrecisionConfigurationError(
                 "backend",
                 "apex",
@@ -133,9 +138,17 @@ class ApexAmp:
             )
         self.amp.initialize(list(modules), list(optimizers), opt_level=self.opt_level, **self.options)
         _INITIALIZED.add(self.amp)
+        for optimizer in optimizers:
+            # apex builds O2's fp32 master weights lazily, at the first backward. Build them now, so that an
+            # optimizer state restored from a checkpoint is cast to the fp32 masters, not to the fp16 params.
+            lazy_init = getattr(optimizer, "_amp_lazy_init", None)
+            if callable(lazy_init):
+                lazy_init()
         # apex replaces optimizer.step in place after the schedulers were built; its step still calls the one
         # the schedulers wrapped, so every schedule stays correct and torch's warning about it is a false alarm.
         warnings.filterwarnings("ignore", message=_OVERRIDDEN_STEP_WARNING, category=UserWarning)
+        if self._pending_loss_scalers is not None:
+            self.load_loss_scalers(self._pending_loss_scalers)
 
     def backward(
         self,
@@ -144,25 +157,18 @@ class ApexAmp:
         run_backward: Callable[[Tensor], None],
         loss_id: int,
         delay_unscale: bool,
-    ) -> bool:
-        """Run ``run_backward`` on the scaled loss inside ``amp.scale_loss``.
-
-        Returns:
-            Whether apex found an overflow and will skip the next ``step()`` of these optimizers.
-        """
-        before = self._scaler_state(loss_id)
+    ) -> None:
+        """Run ``run_backward`` on the scaled loss inside ``amp.scale_loss``."""
         with self.amp.scale_loss(loss, list(optimizers), loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
             run_backward(scaled)
-        if delay_unscale:
-            return False
-        after = self._scaler_state(loss_id)
-        # apex's public state shows an overflow as a reset `unskipped` counter without the scale growing (it
-        # resets the counter when it doubles the scale, too).
-        return after["unskipped"] == 0 and after["loss_scale"] <= before["loss_scale"]
 
-    def _scaler_state(self, loss_id: int) -> dict[str, float]:
-        state: dict[str, dict[str, float]] = self.amp.state_dict()
-        return state[f"loss_scaler{loss_id}"]
+    @staticmethod
+    def step_will_be_skipped(optimizer: Optimizer) -> bool:
+        """Whether apex found an overflow and replaced this optimizer's next ``step()`` with a skip.
+
+        apex keeps no public record of it; its own flag for the one-call skip is ``_amp_stash.already_patched``.
+        """
+        return bool(getattr(getattr(optimizer, "_amp_stash", None), "already_patched", False))
 
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
         params: Iterator[Tensor] = self.amp.master_params(optimizer)
@@ -170,12 +176,18 @@ class ApexAmp:
 
     def loss_scalers(self) -> list[dict[str, float]]:
         """``amp.state_dict()`` as a list: ``loss_scale`` and ``unskipped`` of each loss's scaler."""
+        if not self.initialized:
+            return list(self._pending_loss_scalers or [])
         state = self.amp.state_dict()
         return [dict(state[key]) for key in sorted(state, key=lambda k: int(k.removeprefix("loss_scaler")))]
 
     def load_loss_scalers(self, scalers: list[dict[str, float]]) -> None:
-        """``amp.load_state_dict``; apex requires ``amp.initialize`` to have run first."""
+        """``amp.load_state_dict``, which apex allows only after ``amp.initialize``: until then it waits."""
+        if not self.initialized:
+            self._pending_loss_scalers = list(scalers)
+            return
         self.amp.load_state_dict({f"loss_scaler{index}": dict(state) for index, state in enumerate(scalers)})
+        self._pending_loss_scalers = None
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:

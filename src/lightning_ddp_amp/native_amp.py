@@ -35,13 +35,18 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-#: What each level means natively, as printed when "amp-O*" falls back to this backend.
-LEVELS = {
-    "O0": "fp32, no autocast, no loss scaling",
-    "O1": "torch.autocast({dtype}) with dynamic loss scaling",
-    "O2": "torch.autocast({dtype}) with dynamic loss scaling; weights stay fp32 as O2's master weights",
-    "O3": "model and inputs cast to {dtype}, no loss scaling",
-}
+
+def describe(opt_level: str, dtype: torch.dtype) -> str:
+    """What a level means natively, as printed when ``"amp-O*"`` falls back to this backend."""
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    scaling = "no loss scaling" if dtype == torch.bfloat16 else "dynamic loss scaling"
+    return {
+        "O0": "fp32, no autocast, no loss scaling",
+        "O1": f"torch.autocast({name}) with {scaling}",
+        "O2": f"torch.autocast({name}) with {scaling}; weights stay fp32 as O2's master weights",
+        "O3": f"the selected modules (or the whole model) cast to {name}, no loss scaling",
+    }[opt_level]
+
 
 # A loss scale the user fixed never grows: GradScaler has no static mode, so growth is pushed out of reach.
 _NEVER = 2**31 - 1
@@ -120,10 +125,10 @@ class NativeAmp:
         self._hooks = []
 
     def _cast_inputs(self, module: Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return _cast_floats(args, self.dtype), _cast_floats(kwargs, self.dtype)
+        return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     def convert_input(self, data: Any) -> Any:
-        return _cast_floats(data, self.dtype) if self.cast_batch else data
+        return cast_floats(data, self.dtype) if self.cast_batch else data
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -187,12 +192,13 @@ class NativeAmp:
             self.scaler.load_state_dict(state)
 
 
-def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+def cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """``data`` with every floating-point tensor in it cast to ``dtype``."""
     return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _cast_outputs(dtype: torch.dtype) -> Callable[[Module, Any, Any], Any]:
     def hook(module: Module, inputs: Any, output: Any) -> Any:
-        return _cast_floats(output, dtype)
+        return cast_floats(output, dtype)
 
     return hook

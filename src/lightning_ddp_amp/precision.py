@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightning_ddp_amp.apex_amp import ApexAmp, find_amp, load_apex_module, supports_device
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
-from lightning_ddp_amp.native_amp import LEVELS, NativeAmp, lightning_precision
+from lightning_ddp_amp.native_amp import NativeAmp, cast_floats, describe, lightning_precision
 from lightning_ddp_amp.strategy import EnvDDPStrategy
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -111,13 +111,14 @@ class AmpPrecision(Precision):
             self._check_native()
             self.precision = lightning_precision(opt_level, self.dtype)  # type: ignore[assignment]
             if backend == "auto":
-                level = LEVELS[opt_level].format(dtype=dtype)
+                reason = "apex amp has no bfloat16" if dtype == "bfloat16" else "NVIDIA apex amp is not importable"
                 rank_zero_info(
-                    f"AmpPrecision: NVIDIA apex amp is not importable, so opt_level {opt_level} runs on torch.amp: {level}"
+                    f"AmpPrecision: {reason}, so opt_level {opt_level} runs on torch.amp: {describe(opt_level, self.dtype)}"
                 )
         self._optimizers: list[Optimizer] = []
         self._skipped: dict[int, bool] = {}
         self._stepping = False
+        self._cast_batch_for_apex = False
 
     def _resolve_backend(self, backend: str) -> str:
         if backend != "auto":
@@ -206,20 +207,25 @@ class AmpPrecision(Precision):
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
-        if not isinstance(model, LightningModule):
-            raise PrecisionConfigurationError(
-                "strategy",
-                type(model).__name__,
-                "the model reached the precision plugin already wrapped; amp.initialize must come before the DDP wrap",
-                'use strategy="envddp"',
-            )
         if not optimizers:
             # Evaluation only: apex is initialized for training; the model runs as the last fit left it.
             return model, optimizers, lr_schedulers
         if self._apex is not None:
-            self._apex.initialize(self.amp_modules(model), optimizers)
+            if not isinstance(model, LightningModule):
+                raise PrecisionConfigurationError(
+                    "strategy",
+                    type(model).__name__,
+                    "the model reached the precision plugin already wrapped; amp.initialize must come before the"
+                    " DDP wrap",
+                    'use strategy="envddp"',
+                )
+            selected = self.amp_modules(model)
+            self._apex.initialize(selected, optimizers)
+            # apex O2/O3 patch the forward of the modules they cast; Lightning calls training_step, not the
+            # LightningModule's forward, so when the module itself is selected the batch is cast here instead.
+            self._cast_batch_for_apex = selected == [model] and self.opt_level in ("O2", "O3")
         self._optimizers = list(optimizers)
-        if self._scales_loss:
+        if self._may_skip_steps:
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
 
@@ -242,7 +248,8 @@ class AmpPrecision(Precision):
             return [_submodule(lightning_module, name) for name in self.models]
         if configure is None:
             return [lightning_module]
-        modules = list(configure())
+        returned = configure()
+        modules = [returned] if isinstance(returned, Module) else list(returned)
         if not modules or not all(isinstance(m, Module) for m in modules):
             raise PrecisionConfigurationError(
                 "configure_amp_models()",
@@ -254,9 +261,14 @@ class AmpPrecision(Precision):
 
     @property
     def _scales_loss(self) -> bool:
-        if self._apex is not None:
-            return True
-        return self.native.scaler is not None
+        return self._apex is not None or self.native.scaler is not None
+
+    @property
+    def _may_skip_steps(self) -> bool:
+        """Whether a dynamic loss scaler can skip a step on overflow."""
+        if self._apex is None:
+            return self.native.scaler is not None
+        return self.loss_scale == "dynamic" or (self.loss_scale is None and self.opt_level in ("O1", "O2"))
 
     def _skip_aware(self, config: LRSchedulerConfig) -> LRSchedulerConfig:
         if config.interval != "step" or not hasattr(config.scheduler, "optimizer"):
@@ -278,7 +290,9 @@ class AmpPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return data if self._apex is not None else self.native.convert_input(data)
+        if self._apex is None:
+            return self.native.convert_input(data)
+        return cast_floats(data, torch.float16) if self._cast_batch_for_apex else data
 
     @override
     @contextlib.contextmanager
@@ -298,11 +312,20 @@ class AmpPrecision(Precision):
     ) -> None:
         """Backward on the scaled loss: inside ``amp.scale_loss`` for apex, through the ``GradScaler`` natively.
 
-        ``manual_backward(loss, loss_id=1)`` picks the loss scaler of a second loss (``num_losses=2``), and
-        ``delay_unscale=True`` keeps apex from unscaling (gradient accumulation under manual optimization).
+        Under manual optimization, ``manual_backward(loss, loss_id=1)`` picks the loss scaler of a second loss
+        (``num_losses=2``), ``optimizers=[opt_g]`` names the optimizers whose parameters this loss reaches (default:
+        all), and ``delay_unscale=True`` keeps apex from unscaling (gradient accumulation).
         """
         loss_id = kwargs.pop("loss_id", 0)
         delay_unscale = kwargs.pop("delay_unscale", None)
+        chosen = kwargs.pop("optimizers", None)
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
+            raise PrecisionConfigurationError(
+                "loss_id",
+                loss_id,
+                f"AmpPrecision has num_losses={self.num_losses} loss scaler(s), numbered from 0",
+                "use a smaller loss_id, or raise AmpPrecision(num_losses=...)",
+            )
 
         def run_backward(scaled: Tensor) -> None:
             model.backward(scaled, *args, **kwargs)
@@ -310,15 +333,17 @@ class AmpPrecision(Precision):
         if self._apex is None:
             self.native.backward(tensor, run_backward)
             return
-        optimizers = [optimizer] if isinstance(optimizer, Optimizer) else self._optimizers
+        if chosen is not None:
+            optimizers = [chosen] if not isinstance(chosen, (list, tuple)) else list(chosen)
+        else:
+            optimizers = [optimizer] if optimizer is not None else self._optimizers
+        # A LightningOptimizer wraps the torch optimizer that went through amp.initialize.
+        optimizers = [getattr(o, "optimizer", o) for o in optimizers]
         if delay_unscale is None:
             # Automatic optimization runs the final micro-batch's backward inside optimizer_step; earlier
             # micro-batches of an accumulation window keep their gradients scaled, as apex recommends.
             delay_unscale = model.automatic_optimization and not self._stepping
-        skipped = self._apex.backward(tensor, optimizers, run_backward, loss_id, bool(delay_unscale))
-        if not delay_unscale:
-            for stepped in optimizers:
-                self._skipped[id(stepped)] = skipped
+        self._apex.backward(tensor, optimizers, run_backward, loss_id, bool(delay_unscale))
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -328,13 +353,18 @@ class AmpPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Run the closure here, then ``step()`` without it: apex O2 rejects closures, GradScaler needs it so."""
+        """Run the closure here, then ``step()`` without it: apex rejects closures, GradScaler needs it so.
+
+        Without loss scaling (O0, O3, bfloat16) the closure goes to ``step()`` as usual, so LBFGS works there.
+        """
+        if not self._scales_loss:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise PrecisionConfigurationError(
                 "optimizer",
                 "LBFGS",
-                "LBFGS re-evaluates its closure, which loss scaling cannot follow",
-                'use another optimizer or precision="32-true"',
+                "LBFGS re-evaluates its closure inside step(), which loss scaling cannot follow",
+                'use another optimizer, or a level without loss scaling (opt_level="O0"/"O3", dtype="bfloat16")',
             )
         self._stepping = True
         try:
@@ -342,13 +372,15 @@ class AmpPrecision(Precision):
         finally:
             self._stepping = False
         if closure_result is None and model.automatic_optimization:
-            # training_step returned None: there was no backward, so there is nothing to step.
+            # training_step returned None: there was no backward, so there is nothing to unscale or step.
+            self._after_closure(model, optimizer)
             return None
         if self._apex is None:
             self.native.unscale(optimizer)
         self._after_closure(model, optimizer)
         if self._apex is not None:
             # After an overflow apex has replaced step() with a skip for this one call.
+            self._skipped[id(optimizer)] = self._apex.step_will_be_skipped(optimizer)
             return optimizer.step(**kwargs)
         result, skipped = self.native.step(optimizer, **kwargs)
         self._skipped[id(optimizer)] = skipped
@@ -410,9 +442,11 @@ class SkipAwareScheduler:
         skipped: Tells whether the last step of an optimizer was skipped.
     """
 
+    _OWN = ("scheduler", "_skipped")
+
     def __init__(self, scheduler: Any, skipped: Callable[[Optimizer], bool]) -> None:
-        self.scheduler = scheduler
-        self._skipped = skipped
+        object.__setattr__(self, "scheduler", scheduler)
+        object.__setattr__(self, "_skipped", skipped)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         if self._skipped(self.scheduler.optimizer):
@@ -420,7 +454,12 @@ class SkipAwareScheduler:
         return self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name in self._OWN or name.startswith("__"):
+            raise AttributeError(name)  # not set up yet (copy, pickle): do not recurse into the scheduler
         return getattr(self.scheduler, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.scheduler, name, value)
 
 
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:

@@ -77,7 +77,8 @@ class TwoModels(L.LightningModule):
         self.at_start = {"precision_state": self.trainer.precision_plugin.state_dict(), "global_step": self.global_step}
 
     def on_train_end(self) -> None:
-        self.wrapper = type(self.trainer.model).__qualname__
+        wrapper = type(self.trainer.model)
+        self.wrapper = f"{wrapper.__module__}.{wrapper.__qualname__}"
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         plugin = self.trainer.precision_plugin

@@ -1,8 +1,14 @@
-"""TEST DOUBLE of ``apex.amp`` (see tests/doubles/README.md): apex's documented contract, on the CPU, no casting."""
+"""TEST DOUBLE of ``apex.amp`` (see tests/doubles/README.md): apex's documented contract, on the CPU, no casting.
+
+Its control flow follows apex 25.05 (``handle.scale_loss``, ``_process_optimizer``, ``scaler.LossScaler``,
+``frontend.state_dict``): gradient stashing around each backward, the short cut for a static scale of 1,
+``delay_unscale``, the one-call ``skip_step`` after an overflow, and the patched ``step`` / ``zero_grad``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -16,11 +22,11 @@ supports_cpu = True
 events: list[dict[str, Any]] = []
 
 _OPT_LEVELS = {
-    # opt_level: (default loss scale, master weights)
-    "O0": (1.0, False),
-    "O1": ("dynamic", False),
-    "O2": ("dynamic", True),
-    "O3": (1.0, False),
+    # opt_level: (default loss scale, master weights, patch_torch_functions)
+    "O0": (1.0, False, False),
+    "O1": ("dynamic", False, True),
+    "O2": ("dynamic", True, False),
+    "O3": (1.0, False, False),
 }
 
 
@@ -32,11 +38,22 @@ class _LossScaler:
         self.max_loss_scale = max_loss_scale
         self.unskipped = 0
         self.scale_window = 2000
+        self.has_overflow = False
+
+    def update_scale(self) -> bool:
+        if self.has_overflow and self.dynamic:
+            self.loss_scale = max(self.min_loss_scale or 0.0, self.loss_scale / 2.0)
+            self.unskipped = 0
+            return True
+        self.unskipped += 1
+        if self.unskipped == self.scale_window and self.dynamic:
+            self.loss_scale = min(self.max_loss_scale, self.loss_scale * 2.0)
+            self.unskipped = 0
+        return False
 
 
 class _State:
     initialized = False
-    opt_level: str | None = None
     master_weights = False
     loss_scalers: ClassVar[list[_LossScaler]] = []
     inside_scale_loss = False
@@ -44,6 +61,16 @@ class _State:
 
 
 _state = _State()
+
+
+class AmpOptimizerState:
+    """apex's ``optimizer._amp_stash``."""
+
+    def __init__(self) -> None:
+        self.lazy_init_called = False
+        self.already_patched = False
+        self.params_have_scaled_gradients = False
+        self.grad_stash: list[torch.Tensor | None] = []
 
 
 def _is_data_parallel(model: torch.nn.Module) -> bool:
@@ -90,14 +117,13 @@ def initialize(
     else:
         raise TypeError("optimizers must be either a single optimizer or a list of optimizers.")
 
-    default_scale, default_master = _OPT_LEVELS[opt_level]
+    default_scale, default_master, patch_functions = _OPT_LEVELS[opt_level]
     _state.initialized = True
-    _state.opt_level = opt_level
     _state.master_weights = default_master if master_weights is None else bool(master_weights)
     scale = default_scale if loss_scale is None else loss_scale
     _state.loss_scalers = [_LossScaler(scale, min_loss_scale, max_loss_scale) for _ in range(num_losses)]
     for optimizer in optimizers_list:
-        _process_optimizer(optimizer)
+        _process_optimizer(optimizer, patch_functions)
     for model in models_list:
         for param in model.parameters():
             if param.requires_grad:
@@ -126,44 +152,91 @@ def _check_inside_scale_loss(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _process_optimizer(optimizer: torch.optim.Optimizer) -> None:
+def _process_optimizer(optimizer: torch.optim.Optimizer, patch_functions: bool) -> None:
     if hasattr(optimizer, "_amp_stash"):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
-    optimizer._amp_stash = {"params_have_scaled_gradients": False, "skip_next_step": False}  # type: ignore[attr-defined]
-    original_step = optimizer.step
-    original_zero_grad = optimizer.zero_grad
+    optimizer._amp_stash = AmpOptimizerState()  # type: ignore[attr-defined]
+
+    def _amp_lazy_init(self: torch.optim.Optimizer) -> None:
+        if not self._amp_stash.lazy_init_called:  # type: ignore[attr-defined]
+            self._amp_stash.lazy_init_called = True  # type: ignore[attr-defined]
+            events.append({"event": "lazy_init"})
+
+    optimizer._amp_lazy_init = types.MethodType(_amp_lazy_init, optimizer)  # type: ignore[attr-defined]
 
     if _state.master_weights:
-        # apex O2 replaces step and zero_grad with versions that take no closure / no arguments.
-        def step(self: torch.optim.Optimizer) -> Any:
-            if self._amp_stash["skip_next_step"]:  # type: ignore[attr-defined]
-                return _skip(self)
-            return original_step()
+        old_step, old_zero_grad = optimizer.step, optimizer.zero_grad
 
-        def zero_grad(self: torch.optim.Optimizer) -> None:
-            original_zero_grad()
+        def new_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+            if closure is not None:
+                raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+            return old_step()
 
-        optimizer.zero_grad = zero_grad.__get__(optimizer)  # type: ignore[method-assign]
-    else:
+        def new_zero_grad(self: torch.optim.Optimizer) -> None:
+            self._amp_lazy_init()  # type: ignore[attr-defined]
+            old_zero_grad()
 
-        def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:  # type: ignore[misc]
-            if self._amp_stash["skip_next_step"]:  # type: ignore[attr-defined]
-                return _skip(self, closure)
-            return original_step(closure) if closure is not None else original_step()
+        optimizer.step = types.MethodType(new_step, optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(new_zero_grad, optimizer)  # type: ignore[method-assign]
+    elif patch_functions:
+        # O1 wraps step to disable its casts while stepping.
+        old_step = optimizer.step
 
-    optimizer.step = step.__get__(optimizer)  # type: ignore[method-assign]
+        def patched_step(*args: Any, **kwargs: Any) -> Any:
+            return old_step(*args, **kwargs)
 
-
-def _skip(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
-    if closure is not None:
-        raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
-    optimizer._amp_stash["skip_next_step"] = False  # type: ignore[attr-defined]
-    events.append({"event": "skipped_step"})
+        optimizer.step = patched_step  # type: ignore[method-assign]
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+def _prepare_backward(optimizer: torch.optim.Optimizer) -> None:
+    # apex stashes the gradients already there and lets backward write fresh ones.
+    optimizer._amp_lazy_init()  # type: ignore[attr-defined]
+    params = list(master_params(optimizer))
+    optimizer._amp_stash.grad_stash = [p.grad for p in params]  # type: ignore[attr-defined]
+    for param in params:
+        param.grad = None
+
+
+def _post_backward(optimizer: torch.optim.Optimizer, scaler: _LossScaler) -> None:
+    # Unscale what backward wrote, check it for inf/NaN, then add back the stashed gradients.
+    stash = optimizer._amp_stash.grad_stash  # type: ignore[attr-defined]
+    params = list(master_params(optimizer))
+    if len(stash) != len(params):
+        stash = [None] * len(params)
+    for param, stashed in zip(params, stash, strict=True):
+        if param.grad is None:
+            param.grad = stashed
+            continue
+        if not torch.isfinite(param.grad).all():
+            scaler.has_overflow = True
+        if scaler.has_overflow:
+            continue
+        param.grad.div_(scaler.loss_scale)
+        if stashed is not None:
+            param.grad.add_(stashed)
+    optimizer._amp_stash.grad_stash = []  # type: ignore[attr-defined]
+
+
+def _patch_skip(optimizer: torch.optim.Optimizer, loss_id: int, scaler: _LossScaler) -> None:
+    stash = optimizer._amp_stash  # type: ignore[attr-defined]
+    if stash.already_patched:
+        return
+    opt_step = optimizer.step
+
+    def skip_step(closure: Any = None) -> None:
+        if closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        events.append({"event": "skipped_step", "loss_id": loss_id})
+        optimizer.step = opt_step  # type: ignore[method-assign]
+        stash.already_patched = False
+
+    optimizer.step = skip_step  # type: ignore[method-assign]
+    stash.already_patched = True
 
 
 @contextlib.contextmanager
@@ -186,37 +259,53 @@ def scale_loss(
             raise RuntimeError("scale_loss got an optimizer that did not pass through amp.initialize.")
     scaler = _state.loss_scalers[loss_id]
     scale = scaler.loss_scale
-    events.append({"event": "scale_loss", "loss_id": loss_id, "delay_unscale": delay_unscale, "scale": scale})
-    _state.inside_scale_loss = True
-    try:
+    events.append(
+        {
+            "event": "scale_loss",
+            "loss_id": loss_id,
+            "delay_unscale": delay_unscale,
+            "scale": scale,
+            "optimizers": len(optimizers),
+        }
+    )
+    if not _state.master_weights and not scaler.dynamic and scale == 1.0:
+        # apex's short cut: nothing to scale, unscale or check.
+        with _inside_scale_loss():
+            yield loss.float()
+        return
+    if not delay_unscale:
+        for optimizer in optimizers:
+            if not optimizer._amp_stash.params_have_scaled_gradients:
+                _prepare_backward(optimizer)
+    with _inside_scale_loss():
         yield loss.float() * scale
-    finally:
-        _state.inside_scale_loss = False
     if delay_unscale:
         for optimizer in optimizers:
-            optimizer._amp_stash["params_have_scaled_gradients"] = True
+            optimizer._amp_stash.params_have_scaled_gradients = True
         return
-    grads = [p.grad for o in optimizers for p in master_params(o) if p.grad is not None]
-    overflow = any(not torch.isfinite(g).all() for g in grads)
+    scaler.has_overflow = False
     for optimizer in optimizers:
-        optimizer._amp_stash["params_have_scaled_gradients"] = False
-    if overflow and scaler.dynamic:
-        floor = scaler.min_loss_scale or 0.0
-        scaler.loss_scale = max(floor, scaler.loss_scale / 2.0)
-        scaler.unskipped = 0
-        for optimizer in optimizers:
-            optimizer._amp_stash["skip_next_step"] = True
+        _post_backward(optimizer, scaler)
+        optimizer._amp_stash.params_have_scaled_gradients = False
+    if scaler.update_scale():
         events.append({"event": "overflow", "loss_id": loss_id, "new_scale": scaler.loss_scale})
-        return
-    for grad in grads:
-        grad.div_(scale)
-    scaler.unskipped += 1
-    if scaler.dynamic and scaler.unskipped == scaler.scale_window:
-        scaler.loss_scale = min(scaler.max_loss_scale, scaler.loss_scale * 2.0)
-        scaler.unskipped = 0
+        for optimizer in optimizers:
+            _patch_skip(optimizer, loss_id, scaler)
+
+
+@contextlib.contextmanager
+def _inside_scale_loss() -> Iterator[None]:
+    _state.inside_scale_loss = True
+    try:
+        yield
+    finally:
+        _state.inside_scale_loss = False
 
 
 def state_dict(destination: Any = None) -> OrderedDict[str, dict[str, float]]:
+    if not _state.initialized:
+        # Real apex fails the same way: its state has no loss scalers before initialize.
+        raise AttributeError("'AmpState' object has no attribute 'loss_scalers'")
     destination = OrderedDict() if destination is None else destination
     for index, scaler in enumerate(_state.loss_scalers):
         destination[f"loss_scaler{index}"] = {"loss_scale": scaler.loss_scale, "unskipped": scaler.unskipped}
@@ -225,9 +314,12 @@ def state_dict(destination: Any = None) -> OrderedDict[str, dict[str, float]]:
 
 def load_state_dict(state_dict: dict[str, dict[str, float]]) -> None:
     if not _state.initialized:
-        raise RuntimeError("amp.load_state_dict was called before amp.initialize (apex requires initialize first).")
-    for index, scaler in enumerate(_state.loss_scalers):
-        saved = state_dict[f"loss_scaler{index}"]
+        raise AttributeError("'AmpState' object has no attribute 'loss_scalers' (amp.initialize comes first)")
+    unexpected = [key for key in state_dict if "loss_scaler" not in key]
+    if unexpected:
+        raise RuntimeError(f"Error(s) in loading state_dict. Unexpected key(s) in state_dict: {unexpected}.")
+    # Like apex: entries are taken in order, extra ones skipped, missing ones leave their scaler as it is.
+    for scaler, saved in zip(_state.loss_scalers, state_dict.values(), strict=False):
         scaler.loss_scale = saved["loss_scale"]
         scaler.unskipped = int(saved["unskipped"])
     events.append({"event": "load_state_dict", "state": {k: dict(v) for k, v in state_dict.items()}})
