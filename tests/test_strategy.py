@@ -185,9 +185,19 @@ def cuda_double(monkeypatch: pytest.MonkeyPatch, two_ranks: None) -> tuple[EnvDD
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
-    def init_process_group(backend: str, **kwargs: Any) -> None:
-        calls.append(f"init_process_group({backend}, device_id={kwargs['device_id']}, rank={kwargs['rank']})")
+    def tcp_store(host: str, port: int, world_size: int, **kwargs: Any) -> str:
+        calls.append(f"TCPStore({host}:{port}, world_size={world_size}, is_master={kwargs['is_master']})")
+        return "store"
 
+    def init_process_group(backend: str, **kwargs: Any) -> None:
+        calls.append(
+            f"init_process_group({backend}, device_id={kwargs['device_id']}, rank={kwargs['rank']},"
+            f" store={kwargs['store']})"
+        )
+
+    # Doubles of torch.distributed's store and group: no peer exists in this test.
+    monkeypatch.setattr(dist, "TCPStore", tcp_store)
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: f"{prefix} over {store}")
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     return EnvDDPStrategy(accelerator=RecordingCUDAAccelerator(calls)), calls
 
@@ -195,7 +205,20 @@ def cuda_double(monkeypatch: pytest.MonkeyPatch, two_ranks: None) -> tuple[EnvDD
 def test_cuda_rank_is_pinned_to_its_gpu_before_nccl_starts(cuda_double: tuple[EnvDDPStrategy, list[str]]) -> None:
     strategy, calls = cuda_double
     strategy.setup_environment()
-    assert calls == ["set_device(cuda:1)", "init_process_group(nccl, device_id=cuda:1, rank=1)"]
+    assert calls == [
+        "set_device(cuda:1)",
+        "TCPStore(127.0.0.1:29500, world_size=2, is_master=False)",
+        "init_process_group(nccl, device_id=cuda:1, rank=1, store=lightning_ddp_amp/attempt_0 over store)",
+    ]
+
+
+def test_a_restarted_attempt_meets_on_a_store_namespace_of_its_own(
+    cuda_double: tuple[EnvDDPStrategy, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    strategy, calls = cuda_double
+    strategy.setup_environment()
+    assert calls[-1].endswith("store=lightning_ddp_amp/attempt_2 over store)")
 
 
 def test_cuda_ddp_uses_the_local_gpu(cuda_double: tuple[EnvDDPStrategy, list[str]]) -> None:

@@ -16,8 +16,10 @@ from lightning_ddp_amp import _lightning  # noqa: E402
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment  # noqa: E402
 from lightning_ddp_amp.errors import (  # noqa: E402
     ApexUnavailableError,
+    CheckpointError,
     LauncherEnvironmentError,
     LightningDDPAmpError,
+    PeerError,
     PrecisionConfigurationError,
     StrategyConfigurationError,
     TopologyMismatchError,
@@ -30,10 +32,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpPrecision",
     "ApexUnavailableError",
+    "CheckpointError",
     "EnvDDPStrategy",
     "LauncherEnvironment",
     "LauncherEnvironmentError",
     "LightningDDPAmpError",
+    "PeerError",
     "PrecisionConfigurationError",
     "StrategyConfigurationError",
     "Topology",

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 #: Lightning releases CI tests against: lowest included, highest excluded.
-TESTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
+TESTED_LIGHTNING = (Version("2.5.0"), Version("2.7.0"))
 
 _MARK = "__lightning_ddp_amp_hook__"
 

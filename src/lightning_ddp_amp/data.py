@@ -10,11 +10,17 @@ kept the user's choice, and so does :func:`shard_dataloader`:
 
 The fit loop calls ``set_epoch`` on these samplers at the start of every epoch, so the order changes between
 epochs exactly as in the recipe.
+
+A sharded training DataLoader is also resumable in Lightning's sense (it has ``state_dict`` / ``load_state_dict``):
+a checkpoint records the epoch and how many batches of it were trained, and resuming from it skips exactly those
+samples, in the same shuffled order and the same shards, so a crash mid-epoch costs only the steps since the
+checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
@@ -23,7 +29,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_ddp_amp import _lightning
-from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
 
 #: Stages whose DataLoaders this module shards. Lightning already shards prediction without duplicates.
 SHARDED_STAGES = (
@@ -44,6 +50,7 @@ def shard_dataloader(
     shard: bool = True,
     split_batches: bool = False,
     exact_eval: bool = False,
+    batches_trained: Callable[[], int] | None = None,
 ) -> object:
     """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
 
@@ -57,6 +64,8 @@ def shard_dataloader(
         split_batches: The DataLoader's ``batch_size`` is the global batch: divide it by the world size. Applies
             whether or not the strategy shards the data.
         exact_eval: Shard validation and test sets without padding, so every sample is evaluated exactly once.
+        batches_trained: For the training DataLoader: how many batches of the current epoch are trained, read
+            when a checkpoint is saved. Makes the DataLoader resumable mid-epoch.
 
     Raises:
         StrategyConfigurationError: ``split_batches`` with a batch size that does not divide evenly, or with a
@@ -75,7 +84,36 @@ def shard_dataloader(
         sampler = _distributed_sampler(dataloader, source, unrepeated, num_replicas=num_replicas, rank=rank, seed=seed)
     if sampler is None and batch_size is None:
         return dataloader
-    return _lightning.rebuild_dataloader(dataloader, sampler or dataloader.sampler, batch_size=batch_size)
+    rebuilt = _lightning.rebuild_dataloader(dataloader, sampler or dataloader.sampler, batch_size=batch_size)
+    if isinstance(sampler, _ResumesMidEpoch) and batches_trained is not None:
+        _make_resumable(rebuilt, sampler, batches_trained)
+    return rebuilt
+
+
+class _ResumesMidEpoch:
+    """For training samplers: the first pass over a resumed epoch leaves out the samples already trained on."""
+
+    epoch: int
+    _resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        self._resume = (epoch, samples)
+
+    def __iter__(self) -> Iterator[Any]:
+        indices: Iterator[Any] = super().__iter__()  # type: ignore[misc]
+        if self._resume is None or self._resume[0] != self.epoch:
+            return indices
+        skip = self._resume[1]
+        self._resume = None
+        return itertools.islice(indices, skip, None)
+
+
+class ResumableDistributedSampler(_ResumesMidEpoch, DistributedSampler[Any]):
+    """``DistributedSampler`` that can resume mid-epoch."""
+
+
+class ResumableDistributedSamplerWrapper(_ResumesMidEpoch, DistributedSamplerWrapper):
+    """Lightning's ``DistributedSamplerWrapper`` (shards a user's sampler) that can resume mid-epoch."""
 
 
 def _distributed_sampler(
@@ -83,10 +121,42 @@ def _distributed_sampler(
 ) -> Sampler[Any]:
     if isinstance(source, (RandomSampler, SequentialSampler)):
         shuffle = isinstance(source, RandomSampler)
-        sampler_cls = UnrepeatedDistributedSampler if unrepeated else DistributedSampler
+        sampler_cls = UnrepeatedDistributedSampler if unrepeated else ResumableDistributedSampler
         return sampler_cls(dataloader.dataset, shuffle=shuffle, **kwargs)
-    wrapper_cls = UnrepeatedDistributedSamplerWrapper if unrepeated else DistributedSamplerWrapper
+    wrapper_cls = UnrepeatedDistributedSamplerWrapper if unrepeated else ResumableDistributedSamplerWrapper
     return wrapper_cls(source, shuffle=False, **kwargs)
+
+
+def _make_resumable(loader: DataLoader[Any], sampler: Any, batches_trained: Callable[[], int]) -> None:
+    """Give ``loader`` the ``state_dict`` / ``load_state_dict`` Lightning looks for in a resumable DataLoader.
+
+    Lightning stores the state in checkpoints and hands it back before the first batch after a restart.
+    """
+    batch_size = loader.batch_size or 1
+    layout = {"num_replicas": sampler.num_replicas, "seed": sampler.seed, "batch_size": batch_size}
+
+    def state_dict() -> dict[str, Any]:
+        return {"epoch": sampler.epoch, "batches": batches_trained(), **layout}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        saved = {key: state.get(key) for key in layout}
+        if saved != layout:
+            raise CheckpointError(
+                "checkpoint",
+                saved,
+                f"it was written mid-epoch by a job sharded as {saved}, but this job is sharded as {layout}, so the"
+                " samples already trained on cannot be told apart",
+                "resume with the same WORLD_SIZE, seed and batch size, or from a checkpoint at the end of an epoch",
+            )
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        if batches >= len(loader):
+            epoch, batches = epoch + 1, 0
+        # Set now: Lightning fetches the first batch before it sets the epoch of the resumed run.
+        sampler.set_epoch(epoch)
+        sampler.resume_at(epoch, batches * batch_size)
+
+    loader.state_dict = state_dict
+    loader.load_state_dict = load_state_dict
 
 
 def _check_exact_eval(

@@ -45,3 +45,11 @@ class ApexUnavailableError(LightningDDPAmpError, ImportError):
 
 class PrecisionConfigurationError(LightningDDPAmpError, ValueError):
     """An argument of :class:`~lightning_ddp_amp.AmpPrecision`, or the way it meets the Trainer, is invalid."""
+
+
+class PeerError(LightningDDPAmpError, RuntimeError):
+    """Another rank of the job never arrived, or is gone."""
+
+
+class CheckpointError(LightningDDPAmpError, RuntimeError):
+    """A checkpoint cannot be resumed from: truncated, not a Lightning checkpoint, or written for another job."""

@@ -21,10 +21,10 @@ import difflib
 import inspect
 import itertools
 import os
-import signal
-import threading
+import pickle
 from collections.abc import Callable, Generator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -37,6 +37,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -53,6 +54,8 @@ from lightning_ddp_amp.data import shard_dataloader
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.process_group import destroy_process_group, explain_peer_failure, init_process_group
+from lightning_ddp_amp.resume import PREEMPTION, AutoResumeLauncher, check_checkpoint, unreadable_checkpoint
 
 #: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
 COMM_HOOKS: dict[str, Callable[..., Any]] = {
@@ -92,6 +95,8 @@ class EnvDDPStrategy(DDPStrategy):
         ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
         ddp_comm_state: The state handed to ``ddp_comm_hook``; None for the process group.
         ddp_comm_wrapper: Wraps ``ddp_comm_hook``, e.g. ``default_hooks.fp16_compress_wrapper``.
+        auto_resume: Survive crashes and preemption (see :mod:`lightning_ddp_amp.resume`): every fit starts from
+            the newest checkpoint of the ``ModelCheckpoint`` directory, and SIGTERM saves one before exiting.
         ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
             (``apex.parallel.DistributedDataParallel``, as apex-era scripts used; ``**ddp_kwargs`` then go to it).
         split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks.
@@ -126,6 +131,7 @@ class EnvDDPStrategy(DDPStrategy):
         split_batches: bool = False,
         exact_eval: bool = False,
         ddp_impl: Literal["torch", "apex"] = "torch",
+        auto_resume: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         self._topology = read_topology()
@@ -151,6 +157,7 @@ class EnvDDPStrategy(DDPStrategy):
             timeout=_resolve_timeout(timeout),
             **changed,
         )
+        self.timeout = _resolve_timeout(timeout)
         # Added after the fact, not forwarded through DDPStrategy.__init__: config parsers (jsonargparse) would
         # otherwise offer every DDPStrategy and DDP argument as this strategy's own.
         self._ddp_kwargs.update(ddp_kwargs)
@@ -159,6 +166,9 @@ class EnvDDPStrategy(DDPStrategy):
         self._devices: list[torch.device] | None = None
         self._requested_cuda_indices: list[int] | None = None
         self._shard_dataloaders: bool | None = None
+        self.auto_resume = auto_resume
+        self._preemption = PREEMPTION if auto_resume else None
+        self.resumed_from: Path | None = None
 
     @property
     def topology(self) -> Topology:
@@ -250,8 +260,19 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # The processes already exist: torchrun (or the user) started them.
-        self._launcher = None
+        # The processes already exist: torchrun (or the user) started them. auto_resume only picks a checkpoint.
+        # AutoResumeLauncher has the interface of Lightning's (private) _Launcher without deriving from it.
+        self._launcher = AutoResumeLauncher(self._resuming_from) if self.auto_resume else None  # type: ignore[assignment]
+
+    def _resuming_from(self, checkpoint: Path) -> None:
+        self.resumed_from = checkpoint
+        rank_zero_info(f"envddp: auto_resume continues from {checkpoint}")
+
+    @override
+    def setup_environment(self) -> None:
+        if self._preemption is not None:
+            self._preemption.install()
+        super().setup_environment()
 
     @override
     def setup_distributed(self) -> None:
@@ -261,16 +282,8 @@ class EnvDDPStrategy(DDPStrategy):
             return
         self._process_group_backend = self._get_process_group_backend()
         self._check_comm_hook(self._process_group_backend)
-        device = self.root_device
-        dist.init_process_group(
-            self._process_group_backend,
-            init_method="env://",
-            rank=self._topology.rank,
-            world_size=self._topology.world_size,
-            timeout=self._timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-        atexit.register(_destroy_process_group)
+        init_process_group(self._topology, self._process_group_backend, self.timeout, self.root_device)
+        atexit.register(destroy_process_group)
         rank_zero_info(
             f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
             f" backend {self._process_group_backend}, launched by {self._topology.launcher}"
@@ -333,9 +346,42 @@ class EnvDDPStrategy(DDPStrategy):
             wrapper.enable_allreduce()
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A SIGTERM on any rank: all ranks agree here, between two steps, save, and stop together.
+        if self._preemption is not None and self._preemption.agreed(self.root_device):
+            self._save_preempted()
+            raise SIGTERMException()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        explain_peer_failure(exception, self.timeout)
+        if isinstance(exception, SIGTERMException) and self._preemption is not None and not self._preemption.saved:
+            # Lightning itself stopped on SIGTERM; when every rank stopped at the same step, save there.
+            with contextlib.suppress(RuntimeError):
+                if self._preemption.agreed(self.root_device):
+                    self._save_preempted()
+
+    def _save_preempted(self) -> None:
+        assert self._preemption is not None and self.lightning_module is not None
+        path = self._preemption.save(self.lightning_module.trainer)
+        rank_zero_info(f"envddp: SIGTERM received; saved {path} so that the next start resumes from it")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
+            raise unreadable_checkpoint(checkpoint_path, error) from error
+        check_checkpoint(checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
     def teardown(self) -> None:
         if self._apex_ddp is not None and isinstance(self.model, self._apex_ddp):
             self.model = self.lightning_module
+        if self._preemption is not None:
+            self._preemption.uninstall()
         super().teardown()
 
     @override
@@ -360,15 +406,17 @@ class EnvDDPStrategy(DDPStrategy):
         if not self._topology.is_distributed:
             return dataloader
         assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
         return shard_dataloader(
             dataloader,
-            stage=self.lightning_module.trainer.state.stage,
+            stage=trainer.state.stage,
             num_replicas=self._topology.world_size,
             rank=self._topology.rank,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             shard=bool(self._shard_dataloaders),
             split_batches=self.split_batches,
             exact_eval=self.exact_eval,
+            batches_trained=lambda: _batches_trained(trainer),
         )
 
     @override
@@ -422,6 +470,12 @@ class EnvDDPStrategy(DDPStrategy):
             description="envddp with `find_unused_parameters=True`",
             find_unused_parameters=True,
         )
+
+
+def _batches_trained(trainer: Any) -> int:
+    # Lightning's progress counter of the training batches of this epoch whose optimizer step is done.
+    processed: int = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return processed
 
 
 def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | None:
@@ -497,17 +551,3 @@ def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:
 def _broadcast_module_states(module: Module) -> None:
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         dist.broadcast(tensor.detach(), src=0)
-
-
-def _destroy_process_group() -> None:
-    # Without this, gloo's threads can outlive the interpreter and abort the process at exit. A Ctrl+C must not
-    # interrupt the teardown halfway (Lightning's own teardown guards it the same way).
-    if not dist.is_initialized():
-        return
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
-    try:
-        dist.destroy_process_group()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)

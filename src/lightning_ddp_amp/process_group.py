@@ -1,0 +1,104 @@
+"""Starting and ending the process group, and explaining how it fails.
+
+The group is started on a store of its own attempt: under ``torchrun --max-restarts``, a restarted group that met
+on the launcher's store could read the addresses the previous attempt left there and fail to connect. Keys are
+therefore namespaced by ``TORCHELASTIC_RESTART_COUNT`` (a ``PrefixStore`` over the launcher's ``TCPStore``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddp_amp.environment import Topology
+from lightning_ddp_amp.errors import PeerError
+
+# What gloo and NCCL say when a peer process is gone.
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|EPIPE|Socket closed"
+    r"|NCCL communicator was aborted|remote process exited|Timed out waiting .* for recv|Watchdog caught"
+    r"|Application timeout caused pair closure"
+)
+_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+
+
+def init_process_group(topology: Topology, backend: str, timeout: timedelta, device: torch.device) -> None:
+    """Join the job's process group, waiting at most ``timeout`` for every peer.
+
+    Raises:
+        PeerError: not every rank arrived within ``timeout``.
+    """
+    assert topology.master_addr is not None and topology.master_port is not None
+    if backend == "nccl":
+        # NCCL errors and timeouts must raise instead of hanging the rank (torch's async error handling).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            topology.master_addr,
+            topology.master_port,
+            topology.world_size,
+            is_master=not agent_hosts_store and topology.rank == 0,
+            timeout=timeout,
+            wait_for_workers=True,
+            multi_tenant=not agent_hosts_store,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"lightning_ddp_amp/attempt_{attempt}", store),  # type: ignore[attr-defined]
+            rank=topology.rank,
+            world_size=topology.world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (dist.DistStoreError, dist.DistNetworkError) as error:
+        raise _missing_peers(topology, timeout, error) from error
+
+
+def _missing_peers(topology: Topology, timeout: timedelta, error: Exception) -> PeerError:
+    joined = _JOINED.search(str(error))
+    count = f"only {joined.group(1)} of {joined.group(2)} ranks joined" if joined else "not every rank arrived"
+    return PeerError(
+        "WORLD_SIZE",
+        topology.world_size,
+        f"rank {topology.rank} waited {timeout.total_seconds():g}s at {topology.master_addr}:{topology.master_port}"
+        f" and {count} ({error})",
+        "start every rank (check the missing ranks' logs, MASTER_ADDR and MASTER_PORT), or give them longer with"
+        " EnvDDPStrategy(timeout=...)",
+    )
+
+
+def explain_peer_failure(exception: BaseException, timeout: timedelta) -> None:
+    """If ``exception`` says a peer is gone, prepend what happened and what to do to its message (in place)."""
+    text = str(exception)
+    if not _PEER_GONE.search(text) or not exception.args or text.startswith("A peer rank is gone"):
+        return
+    exception.args = (
+        "A peer rank is gone or stopped responding: another process of this job crashed, was killed or hangs,"
+        " so this rank stops (it never waits longer than"
+        f" EnvDDPStrategy(timeout={timeout.total_seconds():g}s)). Look for the first error in the other ranks'"
+        " logs. To recover automatically, launch with `torchrun --max-restarts=N` and"
+        f" EnvDDPStrategy(auto_resume=True). Original error: {text}",
+        *exception.args[1:],
+    )
+
+
+def destroy_process_group() -> None:
+    """Tear the group down at exit, so gloo's threads never outlive the interpreter and abort a finished run."""
+    if not dist.is_initialized():
+        return
+    # A Ctrl+C must not interrupt the teardown halfway (Lightning's own teardown guards it the same way).
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        dist.destroy_process_group()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)

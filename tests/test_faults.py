@@ -1,0 +1,228 @@
+"""Fault injection with real processes and signals: crashes under torchrun restarts, preemption, dead and hanging
+peers, a rank alone, a checkpoint write killed halfway, broken checkpoints (workers/train_faults.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import WORKERS, Torchrun, check, finish, free_port, max_abs_difference, worker_env
+
+pytestmark = [pytest.mark.faults, pytest.mark.multiprocess]
+
+SCRIPT = str(WORKERS / "train_faults.py")
+STEPS = 24  # 3 epochs of 8 steps on 2 ranks
+
+
+def report(out: Path, rank: int = 0) -> dict[str, Any]:
+    return json.loads((out / f"rank{rank}.json").read_text())
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "weights.pt")
+
+
+def wait_for(path: Path, process: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Wait until ``path`` exists (a worker's progress marker); fail if the process ends or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before {path.name} appeared:\n{process.communicate()[0][-4000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"{path} did not appear within {timeout}s")
+        time.sleep(0.05)
+
+
+def wait_for_step(out: Path, step: int, process: subprocess.Popen[str]) -> None:
+    marker = out / "progress" / "rank0"
+    wait_for(marker, process)
+    while (text := marker.read_text()) == "" or int(text) < step:
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before step {step}:\n{process.communicate()[0][-4000:]}")
+        time.sleep(0.05)
+
+
+def run(torchrun: Torchrun, out: Path, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    return check(torchrun.run(SCRIPT, "--out", str(out), *args, timeout=240, **kwargs))
+
+
+def start_ranks_by_hand(out: Path, *args: str, ranks: tuple[int, ...] = (0, 1)) -> list[subprocess.Popen[str]]:
+    """Start ranks as plain processes with the launcher variables set: no torchrun to supervise them."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    return [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, "--out", str(out), *args],
+            env=worker_env(
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": "2",
+                    "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                }
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in ranks
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(torchrun: Torchrun, runs: Path) -> Path:
+    run(torchrun, runs / "uninterrupted")
+    return runs / "uninterrupted"
+
+
+# --- a rank dies under torchrun --max-restarts ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("every", "kill_rank", "kill_at", "resumed_at"),
+    [(3, 1, 10, 9), (4, 0, 17, 16)],
+    ids=["mid-epoch", "epoch-boundary"],
+)
+def test_a_killed_rank_restarts_and_ends_with_the_uninterrupted_weights(
+    torchrun: Torchrun, uninterrupted: Path, runs: Path, every: int, kill_rank: int, kill_at: int, resumed_at: int
+) -> None:
+    out = runs / f"killed-at-{kill_at}"
+    args = ("--every", str(every), "--auto-resume", "--kill-rank", str(kill_rank), "--kill-at-step", str(kill_at))
+    result = run(torchrun, out, *args, extra=["--max-restarts=1"])
+    assert f"auto_resume continues from {out / 'checkpoints'}" in result.stdout
+    for rank in (0, 1):
+        assert (report(out, rank)["attempt"], report(out, rank)["started_at_step"]) == (1, resumed_at)
+        assert report(out, rank)["global_step"] == STEPS
+    assert max_abs_difference(weights(uninterrupted), weights(out)) <= 1e-6
+    print(f"steps lost to the crash at step {kill_at}: {kill_at - resumed_at} (checkpoint every {every} steps)")
+
+
+def test_native_fp16_restart_restores_the_loss_scaler(torchrun: Torchrun, runs: Path) -> None:
+    baseline, out = runs / "fp16-uninterrupted", runs / "fp16-killed"
+    run(torchrun, baseline, "--precision", "native-fp16")
+    run(
+        torchrun,
+        out,
+        *("--precision", "native-fp16", "--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "13"),
+        extra=["--max-restarts=1"],
+    )
+    assert report(out)["attempt"] == 1
+    assert report(out)["precision_state"] == report(baseline)["precision_state"]
+    assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
+
+
+def test_apex_restart_restores_the_amp_state(torchrun: Torchrun, runs: Path) -> None:
+    baseline, out = runs / "apex-uninterrupted", runs / "apex-killed"
+    run(torchrun, baseline, "--precision", "apex-O1", apex_double=True)
+    run(
+        torchrun,
+        out,
+        *("--precision", "apex-O1", "--every", "3", "--auto-resume", "--kill-rank", "0", "--kill-at-step", "11"),
+        extra=["--max-restarts=1"],
+        apex_double=True,
+    )
+    assert (report(out)["attempt"], report(out)["started_at_step"]) == (1, 9)
+    assert report(out)["precision_state"] == report(baseline)["precision_state"]
+    assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
+
+
+# --- preemption -----------------------------------------------------------------------------------------------
+
+
+def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_next_start_resumes(
+    torchrun: Torchrun, uninterrupted: Path, runs: Path
+) -> None:
+    out = runs / "preempted"
+    out.mkdir()
+    # No periodic checkpoint before the signal: what the next start finds is the one SIGTERM saved.
+    launcher = torchrun.start(SCRIPT, "--out", str(out), "--every", "1000", "--auto-resume", "--step-delay", "0.1")
+    wait_for_step(out, 5, launcher)
+    launcher.send_signal(signal.SIGTERM)
+    first = finish(launcher, timeout=120)
+    saved = sorted((out / "checkpoints").glob("preempted-step=*.ckpt"))
+    assert len(saved) == 1, first.stdout[-4000:]
+    preempted_at = int(saved[0].stem.split("=")[1])
+    assert preempted_at >= 5
+    second = run(torchrun, out, "--every", "1000", "--auto-resume")
+    assert f"auto_resume continues from {saved[0]}" in second.stdout
+    assert report(out)["started_at_step"] == preempted_at
+    assert max_abs_difference(weights(uninterrupted), weights(out)) <= 1e-6
+
+
+# --- peers that are gone, hang or never come ------------------------------------------------------------------
+
+
+def test_a_dead_peer_without_a_supervisor_stops_the_survivor_with_a_clear_error(runs: Path) -> None:
+    rank0, rank1 = start_ranks_by_hand(runs / "dead-peer", "--kill-rank", "1", "--kill-at-step", "5", "--timeout", "30")
+    finish(rank1, timeout=120)
+    died = time.monotonic()
+    survivor = finish(rank0, timeout=120)
+    detected_after = time.monotonic() - died
+    print(f"survivor stopped {detected_after:.2f}s after its peer died")
+    assert survivor.returncode != 0
+    assert "A peer rank is gone or stopped responding" in survivor.stdout
+    assert detected_after < 30, "the survivor waited longer than its timeout"
+
+
+def test_a_hanging_peer_is_given_up_on_after_the_timeout(runs: Path) -> None:
+    rank0, rank1 = start_ranks_by_hand(runs / "hanging-peer", "--hang-at-step", "5", "--timeout", "5")
+    try:
+        wait_for(runs / "hanging-peer" / "hanging", rank0)
+        hung = time.monotonic()
+        survivor = finish(rank1, timeout=120)
+        waited = time.monotonic() - hung
+    finally:
+        rank0.kill()
+        rank0.communicate()
+    print(f"the other rank gave up {waited:.1f}s after its peer hung (timeout 5s)")
+    assert survivor.returncode != 0
+    assert "A peer rank is gone or stopped responding" in survivor.stdout
+    assert waited < 60, "the survivor waited far beyond its 5-second timeout"
+
+
+def test_rank_zero_alone_stops_within_the_timeout_and_counts_who_joined(runs: Path) -> None:
+    (rank0,) = start_ranks_by_hand(runs / "alone", "--timeout", "3", ranks=(0,))
+    started = time.monotonic()
+    result = finish(rank0, timeout=120)
+    print(f"rank 0 alone gave up after {time.monotonic() - started:.1f}s (process start included)")
+    assert result.returncode != 0
+    assert "PeerError: WORLD_SIZE=2: rank 0 waited 3s at 127.0.0.1:" in result.stdout
+    assert "only 1 of 2 ranks joined" in result.stdout
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------
+
+
+def test_a_writer_killed_during_a_save_leaves_the_previous_checkpoint_intact(runs: Path) -> None:
+    out = runs / "killed-writer"
+    out.mkdir()
+    # One process (no launcher): the save at step 8 stalls while it is being written, and is killed there.
+    writer = subprocess.Popen(
+        [sys.executable, SCRIPT, "--out", str(out), "--every", "4", "--save-last", "--stall-save-at-step", "8"],
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for(out / "saving", writer)
+    writer.send_signal(signal.SIGKILL)
+    writer.communicate()
+    last = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 4  # the save at step 8 never replaced it
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=4.ckpt", "last.ckpt"]

@@ -1,0 +1,119 @@
+"""Training that a test can break: a rank kills itself at a chosen step, only in the first attempt.
+
+Each rank writes OUT/rank<RANK>.json at the end (attempt, resume checkpoint, global step); rank 0 saves the
+final weights to OUT/weights.pt. Checkpoints go to OUT/checkpoints every --every steps.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import LR, build_net, train_set
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--every", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
+parser.add_argument("--auto-resume", action="store_true")
+parser.add_argument("--kill-rank", type=int, default=-1)
+parser.add_argument("--kill-at-step", type=int, default=-1, help="the rank kills itself after this global step")
+parser.add_argument("--signal", default="SIGKILL")
+parser.add_argument("--hang-at-step", type=int, default=-1, help="rank 0 stops stepping here until signalled")
+parser.add_argument("--precision", default="32-true", help="a Trainer precision value, or 'native-fp16'")
+parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step")
+parser.add_argument("--save-last", action="store_true", help="also keep OUT/checkpoints/last.ckpt")
+parser.add_argument("--stall-save-at-step", type=int, default=-1, help="the checkpoint save at this step stalls")
+parser.add_argument("--timeout", type=float, default=1800.0)
+args = parser.parse_args()
+out = Path(args.out)
+RANK = int(os.environ.get("RANK", "0"))
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class StallingPickle:
+    """Pickling it announces itself in OUT/saving, then stalls: the test kills the writer mid-save."""
+
+    def __reduce__(self) -> Any:
+        (out / "saving").write_text("")
+        time.sleep(600)
+        return (StallingPickle, ())
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = build_net()
+        self.started_at_step: int | None = None
+
+    def on_train_start(self) -> None:
+        self.started_at_step = self.global_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        (out / "progress").mkdir(exist_ok=True)
+        (out / "progress" / f"rank{RANK}").write_text(str(self.global_step))
+        if ATTEMPT == 0 and args.kill_rank == RANK and self.global_step == args.kill_at_step:
+            os.kill(os.getpid(), getattr(signal, args.signal))
+        time.sleep(args.step_delay)
+        if ATTEMPT == 0 and RANK == 0 and self.global_step == args.hang_at_step:
+            (out / "hanging").write_text("")
+            time.sleep(600)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.global_step == args.stall_save_at_step:
+            checkpoint["stall"] = StallingPickle()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+callbacks: list[Any] = []
+if args.every:
+    callbacks.append(
+        ModelCheckpoint(
+            dirpath=out / "checkpoints", every_n_train_steps=args.every, save_top_k=-1, save_last=args.save_last
+        )
+    )
+precision: Any = args.precision
+plugins: list[Any] = []
+if args.precision == "native-fp16":
+    precision, plugins = None, [AmpPrecision(backend="native", max_loss_scale=2.0**10)]
+trainer = L.Trainer(
+    strategy=EnvDDPStrategy(auto_resume=args.auto_resume, timeout=args.timeout),
+    accelerator="cpu",
+    precision=precision,
+    plugins=plugins,
+    max_epochs=args.epochs,
+    logger=False,
+    callbacks=callbacks,
+    enable_checkpointing=bool(args.every),
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+model = Module()
+trainer.fit(model, DataLoader(train_set(), batch_size=4, shuffle=True))
+report = {
+    "attempt": ATTEMPT,
+    "started_at_step": model.started_at_step,
+    "global_step": trainer.global_step,
+    "resumed_from": trainer.ckpt_path,
+    "precision_state": trainer.precision_plugin.state_dict(),
+}
+(out / f"rank{RANK}.json").write_text(json.dumps(report, default=str))
+if trainer.is_global_zero:
+    torch.save(model.net.state_dict(), out / "weights.pt")
