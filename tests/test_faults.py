@@ -122,7 +122,7 @@ def test_native_fp16_restart_restores_the_loss_scaler(torchrun: Torchrun, runs: 
         *("--precision", "native-fp16", "--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "13"),
         extra=["--max-restarts=1"],
     )
-    assert report(out)["attempt"] == 1
+    assert (report(out)["attempt"], report(out)["started_at_step"]) == (1, 12)
     assert report(out)["precision_state"] == report(baseline)["precision_state"]
     assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
 
@@ -165,6 +165,41 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_next_start_resumes(
     assert max_abs_difference(weights(uninterrupted), weights(out)) <= 1e-6
 
 
+def test_sigterm_to_one_rank_during_validation_saves_at_an_accumulation_boundary(
+    torchrun: Torchrun, runs: Path
+) -> None:
+    config = ("--accumulate", "2", "--validate", "--every", "1000", "--auto-resume")
+    baseline, out = runs / "accumulate-uninterrupted", runs / "accumulate-preempted"
+    run(torchrun, baseline, *config)
+    out.mkdir()
+    launcher = torchrun.start(SCRIPT, "--out", str(out), *config, "--step-delay", "0.3")
+    wait_for(out / "progress" / "validating1", launcher)
+    # Only rank 1 is told, and while it validates: rank 0 learns it at the next accumulation boundary.
+    pid = int((out / "pids" / "rank1").read_text())
+    subprocess.run(["kill", "-TERM", str(pid)], check=True)
+    first = finish(launcher, timeout=120)
+    assert first.returncode != 0
+    assert first.stdout.count("exitcode  : 143") == 2, first.stdout[-4000:]  # both ranks: preempted, not done
+    (saved,) = (out / "checkpoints").glob("preempted-step=*.ckpt")
+    second = run(torchrun, out, *config)
+    assert f"auto_resume continues from {saved}" in second.stdout
+    assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
+
+
+def test_two_training_loaders_resume_mid_epoch_exactly(torchrun: Torchrun, runs: Path) -> None:
+    # Lightning's default "max_size_cycle": the shorter loader cycles within the epoch.
+    baseline, out = runs / "two-loaders-uninterrupted", runs / "two-loaders-killed"
+    run(torchrun, baseline, "--two-loaders")
+    run(
+        torchrun,
+        out,
+        *("--two-loaders", "--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "14"),
+        extra=["--max-restarts=1"],
+    )
+    assert (report(out)["attempt"], report(out)["started_at_step"]) == (1, 12)
+    assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
+
+
 # --- peers that are gone, hang or never come ------------------------------------------------------------------
 
 
@@ -194,6 +229,15 @@ def test_a_hanging_peer_is_given_up_on_after_the_timeout(runs: Path) -> None:
     assert survivor.returncode != 0
     assert "A peer rank is gone or stopped responding" in survivor.stdout
     assert waited < 60, "the survivor waited far beyond its 5-second timeout"
+
+
+def test_under_torchrun_a_late_rank_is_counted_as_missing(torchrun: Torchrun, runs: Path) -> None:
+    out = runs / "late-rank"
+    out.mkdir()
+    result = finish(torchrun.start(SCRIPT, "--out", str(out), "--timeout", "3", "--start-delay", "60"), timeout=120)
+    assert result.returncode != 0
+    assert "PeerError: WORLD_SIZE=2: rank 0 waited 3s" in result.stdout
+    assert "only 1 of 2 ranks joined" in result.stdout
 
 
 def test_rank_zero_alone_stops_within_the_timeout_and_counts_who_joined(runs: Path) -> None:

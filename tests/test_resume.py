@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
 from lightning_ddp_amp.data import shard_dataloader
-from lightning_ddp_amp.resume import PREEMPTION, newest_checkpoint
+from lightning_ddp_amp.resume import PREEMPTION, checkpoint_dirs, newest_checkpoint
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))
 
@@ -75,7 +75,7 @@ def test_the_first_start_has_nothing_to_resume(tmp_path: Path) -> None:
 def test_auto_resume_needs_a_checkpoint_directory() -> None:
     with pytest.raises(StrategyConfigurationError) as raised:
         fit(None, enable_checkpointing=False)
-    assert str(raised.value).startswith("auto_resume=True: no ModelCheckpoint callback has a dirpath")
+    assert str(raised.value).startswith("auto_resume=True: no ModelCheckpoint callback saves full checkpoints")
     assert "ModelCheckpoint(dirpath='checkpoints', every_n_train_steps=N)" in str(raised.value)
 
 
@@ -113,15 +113,26 @@ def test_newest_checkpoint_goes_by_write_time_and_skips_other_files(tmp_path: Pa
 def test_a_mid_epoch_checkpoint_from_another_world_size_is_refused() -> None:
     loader = DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True)
     sharded = shard_dataloader(
-        loader, stage=RunningStage.TRAINING, num_replicas=2, rank=0, seed=0, batches_trained=lambda: 3
+        loader, stage=RunningStage.TRAINING, num_replicas=2, rank=0, seed=0, progress=lambda: (3, 4)
     )
     state = sharded.state_dict()
-    assert state == {"epoch": 0, "batches": 3, "num_replicas": 2, "seed": 0, "batch_size": 2}
+    assert state == {"epoch": 0, "batches": 3, "epoch_batches": 4, "num_replicas": 2, "seed": 0, "batch_size": 2}
     other = shard_dataloader(
-        loader, stage=RunningStage.TRAINING, num_replicas=4, rank=0, seed=0, batches_trained=lambda: 0
+        loader, stage=RunningStage.TRAINING, num_replicas=4, rank=0, seed=0, progress=lambda: (0, 2)
     )
-    with pytest.raises(CheckpointError, match=r"^checkpoint=\{'num_replicas': 2, 'seed': 0, 'batch_size': 2\}"):
+    with pytest.raises(
+        CheckpointError, match=r"^checkpoint=\{'num_replicas': 2, 'seed': 0, 'batch_size': 2\}: it was saved"
+    ):
         other.load_state_dict(state)
+
+
+def test_an_end_of_epoch_checkpoint_resumes_with_any_world_size() -> None:
+    loader = DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True)
+    other = shard_dataloader(
+        loader, stage=RunningStage.TRAINING, num_replicas=4, rank=0, seed=0, progress=lambda: (0, 2)
+    )
+    other.load_state_dict({"epoch": 0, "batches": 4, "epoch_batches": 4, "num_replicas": 2, "seed": 0, "batch_size": 2})
+    assert other.sampler.epoch == 1
 
 
 def test_a_resumed_loader_skips_exactly_the_trained_batches() -> None:
@@ -129,39 +140,84 @@ def test_a_resumed_loader_skips_exactly_the_trained_batches() -> None:
 
     def rank0() -> DataLoader:
         return shard_dataloader(
-            loader, stage=RunningStage.TRAINING, num_replicas=2, rank=0, seed=0, batches_trained=lambda: 3
+            loader, stage=RunningStage.TRAINING, num_replicas=2, rank=0, seed=0, progress=lambda: (3, 4)
         )
 
     full = rank0()
     full.sampler.set_epoch(1)
     epoch1 = [batch[0].tolist() for batch in full]
     resumed = rank0()
-    resumed.load_state_dict({"epoch": 1, "batches": 3, "num_replicas": 2, "seed": 0, "batch_size": 2})
+    resumed.load_state_dict(
+        {"epoch": 1, "batches": 3, "epoch_batches": 4, "num_replicas": 2, "seed": 0, "batch_size": 2}
+    )
     assert [batch[0].tolist() for batch in resumed] == epoch1[3:]
     assert len(resumed) == len(full)  # Lightning counts the epoch's batches from the full length
 
 
-def test_sigterm_only_raises_a_flag_until_the_ranks_agree() -> None:
-    preemption = PREEMPTION
-    preemption.install()
+def test_a_shorter_cycling_loader_resumes_where_its_cycle_stands() -> None:
+    # Lightning's default "max_size_cycle": a loader of 4 batches in an epoch of 10 is 6 % 4 = 2 batches in.
+    loader = DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True)
+    sharded = shard_dataloader(
+        loader, stage=RunningStage.TRAINING, num_replicas=2, rank=0, seed=0, progress=lambda: (0, 10)
+    )
+    sharded.sampler.set_epoch(1)
+    cycle = [batch[0].tolist() for batch in sharded]
+    sharded.load_state_dict(
+        {"epoch": 1, "batches": 6, "epoch_batches": 10, "num_replicas": 2, "seed": 0, "batch_size": 2}
+    )
+    assert [batch[0].tolist() for batch in sharded] == cycle[2:]
+    assert [batch[0].tolist() for batch in sharded] == cycle  # the next cycle is whole again
+
+
+def test_a_given_ckpt_path_is_left_alone(tmp_path: Path) -> None:
+    fit(tmp_path, max_epochs=2)
+    older = tmp_path / "epoch=0-step=2.ckpt"
+    trainer = L.Trainer(
+        strategy=EnvDDPStrategy(auto_resume=True),
+        accelerator="cpu",
+        max_epochs=2,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Small()
+    trainer.fit(model, DataLoader(DATA, batch_size=4), ckpt_path=older)
+    assert trainer.strategy.resumed_from is None
+    assert model.started_at_step == 2
+
+
+def test_newest_checkpoint_breaks_timestamp_ties_by_step(tmp_path: Path) -> None:
+    for name in ("epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt", "last.ckpt"):
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, ns=(1, 5_000_000_000))
+    (tmp_path / "dangling.ckpt").symlink_to(tmp_path / "gone.ckpt")
+    assert newest_checkpoint([tmp_path]) == tmp_path / "epoch=1-step=12.ckpt"
+
+
+def test_weights_only_checkpoints_are_not_resume_points(tmp_path: Path) -> None:
+    trainer = L.Trainer(callbacks=[ModelCheckpoint(dirpath=tmp_path, save_weights_only=True)], logger=False)
+    assert checkpoint_dirs(trainer) == []
+
+
+def test_sigterm_during_training_only_raises_a_flag() -> None:
+    PREEMPTION.start()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)  # the handler runs in the main thread between bytecodes
-        assert preemption.requested
-        assert preemption.agreed(torch.device("cpu"))  # one process: no peers to consult
+        assert PREEMPTION.requested
+        assert PREEMPTION.agreed()  # one process: no peers to consult
     finally:
-        preemption.uninstall()
+        PREEMPTION.stop()
 
 
-def test_after_fit_sigterm_ends_the_process_again_even_if_the_handler_is_restored(tmp_path: Path) -> None:
-    # Lightning restores, after fit, the handlers it found before fit: ours included. It must then be inert.
+def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> None:
     script = tmp_path / "sigterm.py"
     script.write_text(
         "import os, signal, time\n"
-        "from lightning_ddp_amp.resume import PREEMPTION as p\n"
-        "p.install()\n"
-        "p.uninstall()\n"
-        "signal.signal(signal.SIGTERM, p._on_sigterm)\n"
+        "from lightning_ddp_amp.resume import PREEMPTION\n"
+        "PREEMPTION.start()\n"
+        "PREEMPTION.stop()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(5)\n"
         "print('still alive')\n"

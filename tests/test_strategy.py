@@ -195,9 +195,20 @@ def cuda_double(monkeypatch: pytest.MonkeyPatch, two_ranks: None) -> tuple[EnvDD
             f" store={kwargs['store']})"
         )
 
+    class PrefixStoreDouble:
+        def __init__(self, prefix: str, store: str) -> None:
+            self.name = f"{prefix} over {store}"
+
+        def add(self, key: str, amount: int) -> int:
+            calls.append(f"add({key}, {amount})")
+            return amount
+
+        def __str__(self) -> str:
+            return self.name
+
     # Doubles of torch.distributed's store and group: no peer exists in this test.
     monkeypatch.setattr(dist, "TCPStore", tcp_store)
-    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: f"{prefix} over {store}")
+    monkeypatch.setattr(dist, "PrefixStore", PrefixStoreDouble)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     return EnvDDPStrategy(accelerator=RecordingCUDAAccelerator(calls)), calls
 
@@ -208,6 +219,7 @@ def test_cuda_rank_is_pinned_to_its_gpu_before_nccl_starts(cuda_double: tuple[En
     assert calls == [
         "set_device(cuda:1)",
         "TCPStore(127.0.0.1:29500, world_size=2, is_master=False)",
+        "add(joined, 1)",
         "init_process_group(nccl, device_id=cuda:1, rank=1, store=lightning_ddp_amp/attempt_0 over store)",
     ]
 

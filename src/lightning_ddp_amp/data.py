@@ -50,7 +50,7 @@ def shard_dataloader(
     shard: bool = True,
     split_batches: bool = False,
     exact_eval: bool = False,
-    batches_trained: Callable[[], int] | None = None,
+    progress: Callable[[], tuple[int, int]] | None = None,
 ) -> object:
     """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
 
@@ -64,8 +64,8 @@ def shard_dataloader(
         split_batches: The DataLoader's ``batch_size`` is the global batch: divide it by the world size. Applies
             whether or not the strategy shards the data.
         exact_eval: Shard validation and test sets without padding, so every sample is evaluated exactly once.
-        batches_trained: For the training DataLoader: how many batches of the current epoch are trained, read
-            when a checkpoint is saved. Makes the DataLoader resumable mid-epoch.
+        progress: For the training DataLoader: how many batches of the current epoch are trained, and how many
+            the epoch has, read when a checkpoint is saved. Makes the DataLoader resumable mid-epoch.
 
     Raises:
         StrategyConfigurationError: ``split_batches`` with a batch size that does not divide evenly, or with a
@@ -85,8 +85,8 @@ def shard_dataloader(
     if sampler is None and batch_size is None:
         return dataloader
     rebuilt = _lightning.rebuild_dataloader(dataloader, sampler or dataloader.sampler, batch_size=batch_size)
-    if isinstance(sampler, _ResumesMidEpoch) and batches_trained is not None:
-        _make_resumable(rebuilt, sampler, batches_trained)
+    if isinstance(sampler, _ResumesMidEpoch) and progress is not None:
+        _make_resumable(rebuilt, sampler, progress)
     return rebuilt
 
 
@@ -127,7 +127,7 @@ def _distributed_sampler(
     return wrapper_cls(source, shuffle=False, **kwargs)
 
 
-def _make_resumable(loader: DataLoader[Any], sampler: Any, batches_trained: Callable[[], int]) -> None:
+def _make_resumable(loader: DataLoader[Any], sampler: Any, progress: Callable[[], tuple[int, int]]) -> None:
     """Give ``loader`` the ``state_dict`` / ``load_state_dict`` Lightning looks for in a resumable DataLoader.
 
     Lightning stores the state in checkpoints and hands it back before the first batch after a restart.
@@ -136,27 +136,44 @@ def _make_resumable(loader: DataLoader[Any], sampler: Any, batches_trained: Call
     layout = {"num_replicas": sampler.num_replicas, "seed": sampler.seed, "batch_size": batch_size}
 
     def state_dict() -> dict[str, Any]:
-        return {"epoch": sampler.epoch, "batches": batches_trained(), **layout}
+        batches, epoch_batches = progress()
+        return {"epoch": sampler.epoch, "batches": batches, "epoch_batches": epoch_batches, **layout}
 
     def load_state_dict(state: dict[str, Any]) -> None:
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        # Set the epoch now: Lightning fetches the first batch before it sets the epoch of a resumed run.
+        if batches >= int(state.get("epoch_batches", len(loader))):
+            sampler.set_epoch(epoch + 1)  # the epoch was finished: the next starts from its beginning
+            return
         saved = {key: state.get(key) for key in layout}
         if saved != layout:
             raise CheckpointError(
                 "checkpoint",
                 saved,
-                f"it was written mid-epoch by a job sharded as {saved}, but this job is sharded as {layout}, so the"
-                " samples already trained on cannot be told apart",
-                "resume with the same WORLD_SIZE, seed and batch size, or from a checkpoint at the end of an epoch",
+                f"it was saved in the middle of an epoch by a job sharded as {saved}, but this job is sharded as"
+                f" {layout}, so the samples already trained on cannot be told apart",
+                "resume with the same WORLD_SIZE, seed and batch size, or from a checkpoint saved at the end of an"
+                " epoch",
             )
-        epoch, batches = int(state["epoch"]), int(state["batches"])
-        if batches >= len(loader):
-            epoch, batches = epoch + 1, 0
-        # Set now: Lightning fetches the first batch before it sets the epoch of the resumed run.
+        # A loader shorter than the epoch cycles (Lightning's default "max_size_cycle"): it stands batches % len in.
         sampler.set_epoch(epoch)
-        sampler.resume_at(epoch, batches * batch_size)
+        sampler.resume_at(epoch, batches % max(len(loader), 1) * batch_size)
 
     loader.state_dict = state_dict
     loader.load_state_dict = load_state_dict
+
+
+def explain_loader_state_mismatch(exception: BaseException) -> None:
+    """Explain Lightning's error when a checkpoint holds a sharded loader's position that this run cannot use."""
+    text = str(exception)
+    if isinstance(exception, RuntimeError) and "stateful loaders, but found" in text and exception.args:
+        exception.args = (
+            "The checkpoint holds the position of a training DataLoader sharded across several processes, saved in"
+            " the middle of an epoch; this run does not shard its DataLoaders the same way (another WORLD_SIZE, or"
+            " Trainer(use_distributed_sampler=False)). Resume with the original launch, or from a checkpoint saved"
+            f" at the end of an epoch. Lightning said: {text}",
+            *exception.args[1:],
+        )
 
 
 def _check_exact_eval(

@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ _PEER_GONE = re.compile(
     r"|Application timeout caused pair closure"
 )
 _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+_JOINED_KEY = "joined"
 
 
 def init_process_group(topology: Topology, backend: str, timeout: timedelta, device: torch.device) -> None:
@@ -40,6 +42,7 @@ def init_process_group(topology: Topology, backend: str, timeout: timedelta, dev
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = None
     try:
         store = dist.TCPStore(  # type: ignore[attr-defined]
             topology.master_addr,
@@ -50,21 +53,35 @@ def init_process_group(topology: Topology, backend: str, timeout: timedelta, dev
             wait_for_workers=True,
             multi_tenant=not agent_hosts_store,
         )
+        attempt_store = dist.PrefixStore(f"lightning_ddp_amp/attempt_{attempt}", store)  # type: ignore[attr-defined]
+        attempt_store.add(_JOINED_KEY, 1)  # counted, so that a timeout can say how many ranks arrived
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"lightning_ddp_amp/attempt_{attempt}", store),  # type: ignore[attr-defined]
+            store=attempt_store,
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-    except (dist.DistStoreError, dist.DistNetworkError) as error:
-        raise _missing_peers(topology, timeout, error) from error
+    except (dist.DistStoreError, dist.DistNetworkError, dist.DistBackendError) as error:
+        raise _missing_peers(topology, timeout, error, _joined(store, attempt)) from error
 
 
-def _missing_peers(topology: Topology, timeout: timedelta, error: Exception) -> PeerError:
-    joined = _JOINED.search(str(error))
-    count = f"only {joined.group(1)} of {joined.group(2)} ranks joined" if joined else "not every rank arrived"
+def _joined(store: Any, attempt: str) -> int | None:
+    if store is None:
+        return None
+    try:
+        count: int = store.add(f"lightning_ddp_amp/attempt_{attempt}/{_JOINED_KEY}", 0)
+    except (RuntimeError, dist.DistError):
+        return None
+    return count
+
+
+def _missing_peers(topology: Topology, timeout: timedelta, error: Exception, joined: int | None) -> PeerError:
+    if joined is None:
+        match = _JOINED.search(str(error))
+        joined = int(match.group(1)) if match else None
+    count = f"only {joined} of {topology.world_size} ranks joined" if joined is not None else "not every rank arrived"
     return PeerError(
         "WORLD_SIZE",
         topology.world_size,
@@ -76,9 +93,15 @@ def _missing_peers(topology: Topology, timeout: timedelta, error: Exception) -> 
 
 
 def explain_peer_failure(exception: BaseException, timeout: timedelta) -> None:
-    """If ``exception`` says a peer is gone, prepend what happened and what to do to its message (in place)."""
+    """If ``exception`` says a peer is gone, prepend what happened and what to do to its message (in place).
+
+    Only a collective's error qualifies: the job must be distributed, and an ``OSError`` (a broken stdout pipe,
+    a failed download) is something else.
+    """
     text = str(exception)
-    if not _PEER_GONE.search(text) or not exception.args or text.startswith("A peer rank is gone"):
+    if not dist.is_initialized() or isinstance(exception, OSError) or not exception.args:
+        return
+    if not _PEER_GONE.search(text) or text.startswith("A peer rank is gone"):
         return
     exception.args = (
         "A peer rank is gone or stopped responding: another process of this job crashed, was killed or hangs,"

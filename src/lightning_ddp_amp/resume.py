@@ -4,14 +4,19 @@
 
 * every ``trainer.fit`` without a ``ckpt_path`` starts from the newest checkpoint in that directory, so a run
   restarted by ``torchrun --max-restarts`` (or resubmitted by a scheduler) continues where it stopped;
-* a SIGTERM to any rank (a scheduler's preemption, torchrun shutting down) makes every rank agree, at the next
-  training step, to save ``preempted-step=<N>.ckpt`` there before the process exits.
+* while the training loop runs, SIGTERM to any rank (a scheduler's preemption, torchrun shutting down) only raises
+  a flag; at the next accumulation boundary every rank agrees, saves ``preempted-step=<N>.ckpt`` there and exits
+  with status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
+import re
 import signal
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -19,8 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
 
@@ -29,20 +38,33 @@ if TYPE_CHECKING:
 
 #: Keys every checkpoint written by Lightning's Trainer has.
 _LIGHTNING_KEYS = ("state_dict", "loops", "global_step")
+_STEP_IN_NAME = re.compile(r"step=(\d+)")
+#: The exit status of a run stopped by SIGTERM.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 
 def checkpoint_dirs(trainer: pl.Trainer) -> list[Path]:
-    """The ``dirpath`` of every ``ModelCheckpoint`` callback that has one."""
-    return [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    """The ``dirpath`` of every ``ModelCheckpoint`` that saves full checkpoints (weights-only ones cannot resume)."""
+    return [
+        Path(cb.dirpath)
+        for cb in trainer.checkpoint_callbacks
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath and not cb.save_weights_only
+    ]
 
 
 def newest_checkpoint(directories: list[Path]) -> Path | None:
-    """The most recently written ``*.ckpt`` in ``directories``, or None.
+    """The most recently written ``*.ckpt`` file in ``directories`` (ties: the higher ``step=`` in the name).
 
-    Half-written files never qualify: Lightning writes a checkpoint to a temporary file and renames it.
+    Half-written files never qualify: checkpoints are written to a hidden temporary name, then renamed.
     """
-    found = [path for directory in directories if directory.is_dir() for path in directory.glob("*.ckpt")]
-    return max(found, key=lambda path: path.stat().st_mtime_ns, default=None)
+    candidates: list[tuple[int, int, Path]] = []
+    for directory in directories:
+        for path in directory.glob("*.ckpt") if directory.is_dir() else ():
+            with contextlib.suppress(OSError):  # a dangling link, or a file removed meanwhile
+                if path.is_file():
+                    step = _STEP_IN_NAME.search(path.name)
+                    candidates.append((path.stat().st_mtime_ns, int(step.group(1)) if step else -1, path))
+    return max(candidates, default=(0, 0, None))[2]
 
 
 def check_checkpoint(checkpoint: object, path: Any) -> None:
@@ -68,10 +90,38 @@ def unreadable_checkpoint(path: Any, error: Exception) -> CheckpointError:
     )
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint format, written so that a kill halfway never damages the previous file.
+
+    The checkpoint goes to a hidden temporary file in the target's own directory, is flushed to disk, and then
+    renamed over the target. Lightning's own writer stages the file in the system's temporary directory and
+    moves it, which is a copy (not atomic) when the checkpoint directory is on another filesystem.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options)  # remote storage: Lightning's writer
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(handle, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+
 class AutoResumeLauncher:
     """Runs each ``trainer.fit`` from the newest checkpoint (a Lightning strategy launcher; starts no process).
 
-    A ``trainer.fit(ckpt_path=...)`` given by the user still wins.
+    A ``trainer.fit(ckpt_path=...)`` given by the user is left alone.
 
     Args:
         resumed: Called with the checkpoint a fit resumes from.
@@ -83,14 +133,15 @@ class AutoResumeLauncher:
         self._resumed = resumed
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or _given_ckpt_path(function, args, kwargs):
             return function(*args, **kwargs)
         directories = checkpoint_dirs(trainer)
         if not directories:
             raise StrategyConfigurationError(
                 "auto_resume",
                 True,
-                "no ModelCheckpoint callback has a dirpath, so a restarted run could not find its checkpoints",
+                "no ModelCheckpoint callback saves full checkpoints to a dirpath, so a restarted run could not find"
+                " its checkpoints",
                 "add ModelCheckpoint(dirpath='checkpoints', every_n_train_steps=N) to the Trainer's callbacks",
             )
         newest = newest_checkpoint(directories)
@@ -107,52 +158,53 @@ class AutoResumeLauncher:
         """Nothing to kill: this launcher starts no processes."""
 
 
-class Preemption:
-    """Notices SIGTERM, and lets every rank agree at a step boundary to save a checkpoint before exiting.
+def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("ckpt_path") is not None
 
-    There is one per process (:data:`PREEMPTION`): a signal has one handler, whichever strategy is training.
+
+class Preemption:
+    """Owns SIGTERM while the training loop runs, and lets every rank agree to save a checkpoint and stop.
+
+    There is one per process (:data:`PREEMPTION`): a signal has one handler, whichever strategy is training. Outside
+    the training loop SIGTERM keeps whatever handler it had (Lightning's, or the default: the process ends).
     """
 
     def __init__(self) -> None:
         self.requested = False
         self.saved = False
-        self.active = False
         self._previous: Any = None
+        self._group: Any = None
 
-    def install(self) -> None:
-        """Catch SIGTERM while training (only the main thread can); a handler already there still runs too."""
-        if signal.getsignal(signal.SIGTERM) != self._on_sigterm:
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+    def start(self, group: Any = None) -> None:
+        """Take SIGTERM over (the main thread only can), until :meth:`stop`.
+
+        Args:
+            group: The process group to agree on; a gloo group keeps the check off the GPU.
+        """
         self.requested = self.saved = False
-        self.active = True
+        self._group = group
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def uninstall(self) -> None:
-        """Give SIGTERM back to whoever had it before, so that after fit it ends the process as usual."""
-        self.active = False
-        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+    def stop(self) -> None:
+        """Give SIGTERM back to the handler it had before :meth:`start`."""
+        if self._previous is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, self._previous)
+        self._previous = None
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        previous = self._previous
-        if self.active:
-            # Only a flag: a signal handler must not start collectives, which could interleave with training's.
-            self.requested = True
-            if callable(previous):
-                previous(signum, frame)
-            return
-        # Not training any more (Lightning may restore this handler after fit): do what was done before it.
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        # Only a flag: a signal handler must not start collectives, which could interleave with training's.
+        self.requested = True
 
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop. Every rank must call this at the same point of the step."""
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop. Every rank must call this at the same point of the same step."""
         if not dist.is_initialized():
             return self.requested
-        flag = torch.tensor([int(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([int(self.requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         self.requested = bool(flag.item())
         return self.requested
 

@@ -50,12 +50,19 @@ from typing_extensions import override
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.apex_amp import load_apex_module
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment
-from lightning_ddp_amp.data import shard_dataloader
+from lightning_ddp_amp.data import explain_loader_state_mismatch, shard_dataloader
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
-from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.process_group import destroy_process_group, explain_peer_failure, init_process_group
-from lightning_ddp_amp.resume import PREEMPTION, AutoResumeLauncher, check_checkpoint, unreadable_checkpoint
+from lightning_ddp_amp.resume import (
+    PREEMPTED_EXIT_CODE,
+    PREEMPTION,
+    AtomicCheckpointIO,
+    AutoResumeLauncher,
+    check_checkpoint,
+    unreadable_checkpoint,
+)
 
 #: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
 COMM_HOOKS: dict[str, Callable[..., Any]] = {
@@ -168,6 +175,7 @@ class EnvDDPStrategy(DDPStrategy):
         self._shard_dataloaders: bool | None = None
         self.auto_resume = auto_resume
         self._preemption = PREEMPTION if auto_resume else None
+        self._cpu_group: Any = None
         self.resumed_from: Path | None = None
 
     @property
@@ -268,11 +276,17 @@ class EnvDDPStrategy(DDPStrategy):
         self.resumed_from = checkpoint
         rank_zero_info(f"envddp: auto_resume continues from {checkpoint}")
 
+    @property
     @override
-    def setup_environment(self) -> None:
-        if self._preemption is not None:
-            self._preemption.install()
-        super().setup_environment()
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.resume.AtomicCheckpointIO`)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     @override
     def setup_distributed(self) -> None:
@@ -284,6 +298,9 @@ class EnvDDPStrategy(DDPStrategy):
         self._check_comm_hook(self._process_group_backend)
         init_process_group(self._topology, self._process_group_backend, self.timeout, self.root_device)
         atexit.register(destroy_process_group)
+        if self.auto_resume and self._process_group_backend != "gloo":
+            # Preemption checks and checkpoint agreement run on CPU tensors: keep them off the GPU stream.
+            self._cpu_group = dist.new_group(backend="gloo")
         rank_zero_info(
             f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
             f" backend {self._process_group_backend}, launched by {self._topology.launcher}"
@@ -346,26 +363,48 @@ class EnvDDPStrategy(DDPStrategy):
             wrapper.enable_allreduce()
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._topology.is_distributed and self.resumed_from is not None:
+            self._check_same_checkpoint()
+        if self._preemption is not None:
+            self._preemption.start(self._cpu_group)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # A SIGTERM on any rank: all ranks agree here, between two steps, save, and stop together.
-        if self._preemption is not None and self._preemption.agreed(self.root_device):
-            self._save_preempted()
-            raise SIGTERMException()
+        # A SIGTERM on any rank: at the next accumulation boundary all ranks agree, save and stop together.
+        if self._preemption is None:
+            return
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        if batch_idx % trainer.accumulate_grad_batches == 0 and self._preemption.agreed():
+            path = self._preemption.save(trainer)
+            rank_zero_info(f"envddp: SIGTERM received; saved {path}, the next start resumes from it")
+            raise SIGTERMException(PREEMPTED_EXIT_CODE)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._preemption is not None:
+            self._preemption.stop()
+
+    def _check_same_checkpoint(self) -> None:
+        chosen: list[Any] = [None] * self._topology.world_size
+        dist.all_gather_object(chosen, str(self.resumed_from), group=self._cpu_group)
+        if len(set(chosen)) > 1:
+            raise CheckpointError(
+                "ckpt_path",
+                str(self.resumed_from),
+                f"the ranks resumed from different checkpoints ({', '.join(sorted(set(chosen)))}): their checkpoint"
+                " directories differ",
+                "put the ModelCheckpoint dirpath on storage every node sees, or resume with an explicit ckpt_path",
+            )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         explain_peer_failure(exception, self.timeout)
-        if isinstance(exception, SIGTERMException) and self._preemption is not None and not self._preemption.saved:
-            # Lightning itself stopped on SIGTERM; when every rank stopped at the same step, save there.
-            with contextlib.suppress(RuntimeError):
-                if self._preemption.agreed(self.root_device):
-                    self._save_preempted()
-
-    def _save_preempted(self) -> None:
-        assert self._preemption is not None and self.lightning_module is not None
-        path = self._preemption.save(self.lightning_module.trainer)
-        rank_zero_info(f"envddp: SIGTERM received; saved {path} so that the next start resumes from it")
+        explain_loader_state_mismatch(exception)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -381,7 +420,7 @@ class EnvDDPStrategy(DDPStrategy):
         if self._apex_ddp is not None and isinstance(self.model, self._apex_ddp):
             self.model = self.lightning_module
         if self._preemption is not None:
-            self._preemption.uninstall()
+            self._preemption.stop()
         super().teardown()
 
     @override
@@ -416,7 +455,7 @@ class EnvDDPStrategy(DDPStrategy):
             shard=bool(self._shard_dataloaders),
             split_batches=self.split_batches,
             exact_eval=self.exact_eval,
-            batches_trained=lambda: _batches_trained(trainer),
+            progress=lambda: _epoch_progress(trainer),
         )
 
     @override
@@ -472,10 +511,10 @@ class EnvDDPStrategy(DDPStrategy):
         )
 
 
-def _batches_trained(trainer: Any) -> int:
-    # Lightning's progress counter of the training batches of this epoch whose optimizer step is done.
+def _epoch_progress(trainer: Any) -> tuple[int, int]:
+    # Lightning's count of this epoch's training batches whose step is done, and of the epoch's batches.
     processed: int = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    return processed
+    return processed, int(trainer.num_training_batches)
 
 
 def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | None:

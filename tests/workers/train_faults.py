@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import LR, build_net, train_set
+from common import LR, build_net, dataset, train_set
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -33,11 +33,20 @@ parser.add_argument("--precision", default="32-true", help="a Trainer precision 
 parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step")
 parser.add_argument("--save-last", action="store_true", help="also keep OUT/checkpoints/last.ckpt")
 parser.add_argument("--stall-save-at-step", type=int, default=-1, help="the checkpoint save at this step stalls")
+parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+parser.add_argument("--validate", action="store_true", help="validate twice per epoch, each batch taking --step-delay")
+parser.add_argument("--two-loaders", action="store_true", help="train on two DataLoaders of different lengths")
+parser.add_argument("--start-delay", type=float, default=0.0, help="rank 1 waits this long before it starts")
 parser.add_argument("--timeout", type=float, default=1800.0)
 args = parser.parse_args()
 out = Path(args.out)
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+(out / "pids").mkdir(parents=True, exist_ok=True)
+(out / "progress").mkdir(exist_ok=True)
+(out / "pids" / f"rank{RANK}").write_text(str(os.getpid()))
+if RANK == 1:
+    time.sleep(args.start_delay)
 
 
 class StallingPickle:
@@ -59,11 +68,16 @@ class Module(L.LightningModule):
         self.started_at_step = self.global_step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        parts = batch.values() if isinstance(batch, dict) else [batch]
+        return sum(torch.nn.functional.mse_loss(self.net(x).float(), y) for x, y, _ in parts)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (out / "progress" / f"validating{RANK}").write_text("")
+        time.sleep(args.step_delay)
         x, y, _ = batch
-        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        (out / "progress").mkdir(exist_ok=True)
         (out / "progress" / f"rank{RANK}").write_text(str(self.global_step))
         if ATTEMPT == 0 and args.kill_rank == RANK and self.global_step == args.kill_at_step:
             os.kill(os.getpid(), getattr(signal, args.signal))
@@ -104,9 +118,16 @@ trainer = L.Trainer(
     enable_checkpointing=bool(args.every),
     enable_progress_bar=False,
     enable_model_summary=False,
+    accumulate_grad_batches=args.accumulate,
+    val_check_interval=0.5 if args.validate else None,
+    num_sanity_val_steps=0,
 )
 model = Module()
-trainer.fit(model, DataLoader(train_set(), batch_size=4, shuffle=True))
+train: Any = DataLoader(train_set(), batch_size=4, shuffle=True)
+if args.two_loaders:
+    train = {"long": train, "short": DataLoader(dataset(24, seed=5), batch_size=4, shuffle=True)}
+val = DataLoader(dataset(16, seed=6), batch_size=4) if args.validate else None
+trainer.fit(model, train, val)
 report = {
     "attempt": ATTEMPT,
     "started_at_step": model.started_at_step,
