@@ -272,8 +272,14 @@ def test_native_o1_runs_fp16_autocast_with_a_scaler_on_the_cpu(no_apex: None) ->
     assert t.precision == "16-mixed"
     state = t.precision_plugin.state_dict()
     assert state["backend"] == "native"
-    assert state["grad_scaler"]["_growth_tracker"] > 0
+    assert set(state["grad_scaler"]) >= {"scale", "_growth_tracker"}
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_native_scaler_counts_every_step_without_overflow(no_apex: None) -> None:
+    # A scale of 1024 leaves fp16 room: no step overflows, so every step grows the scaler's tracker.
+    t = fit(TwoModels(), plugins=[AmpPrecision(backend="native", max_loss_scale=1024.0)])
+    assert t.precision_plugin.state_dict()["grad_scaler"]["_growth_tracker"] == t.global_step == 8
 
 
 def test_native_bfloat16_needs_no_scaler(no_apex: None) -> None:
