@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 # The lowest Lightning release pyproject.toml declares; `make test-lowest` runs the suite against it.
 LOWEST_LIGHTNING := lightning==2.5.0
 
-.PHONY: demo test test-lowest lint
+.PHONY: demo test test-lowest lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(VENV)/bin/python -m pytest
+
+# Not a test: CPU benchmarks against the plain recipe, Lightning's ddp and Accelerate (benchmarks/README.md).
+bench: $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e ".[bench]"
+	$(VENV)/bin/python benchmarks/run.py
 
 .venv-lowest/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv-lowest

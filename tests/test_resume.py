@@ -201,7 +201,7 @@ def test_weights_only_checkpoints_are_not_resume_points(tmp_path: Path) -> None:
 
 
 def test_sigterm_during_training_only_raises_a_flag() -> None:
-    PREEMPTION.start()
+    PREEMPTION.start(graceful=True)
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)  # the handler runs in the main thread between bytecodes
@@ -216,7 +216,7 @@ def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> N
     script.write_text(
         "import os, signal, time\n"
         "from lightning_ddp_amp.resume import PREEMPTION\n"
-        "PREEMPTION.start()\n"
+        "PREEMPTION.start(graceful=True)\n"
         "PREEMPTION.stop()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(5)\n"

@@ -46,7 +46,13 @@ def test_import_registers_both_names() -> None:
 def test_find_unused_parameters_alias_reaches_ddp() -> None:
     strategy = trainer(strategy="envddp_find_unused_parameters_true").strategy
     assert isinstance(strategy, EnvDDPStrategy)
-    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+
+
+def test_gradients_are_bucket_views_by_default() -> None:
+    # Faster with the same numerics (benchmarks/); the equivalence tests compare against DDP at its defaults.
+    assert EnvDDPStrategy()._ddp_kwargs == {"gradient_as_bucket_view": True}
+    assert "gradient_as_bucket_view" not in EnvDDPStrategy(gradient_as_bucket_view=False)._ddp_kwargs
 
 
 def test_without_launcher_it_is_one_process_on_the_default_device() -> None:

@@ -108,6 +108,17 @@ def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> N
     _optimizers_to_device(optimizers, device)
 
 
+def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Stop the training loop from broadcasting rank 0's SIGTERM flag at every step (Lightning ≥ 2.5.2).
+
+    Why: that broadcast makes every rank wait for the others at every step, which costs as much as a tenth of a
+    small model's step, and EnvDDPStrategy handles SIGTERM itself. The loop's method is shadowed on this one loop.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        setattr(loop, "_broadcast_sigterm_tensor", lambda: None)  # noqa: B010  (instance attribute, not the class)
+
+
 def rebuild_dataloader(
     dataloader: DataLoader[Any], sampler: Sampler[Any] | Iterable[Any], *, batch_size: int | None = None
 ) -> DataLoader[Any]:

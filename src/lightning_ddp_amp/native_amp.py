@@ -86,6 +86,7 @@ class NativeAmp:
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         self.scaler: torch.amp.GradScaler | None = None
+        self._scale = 0.0  # the scale after the last step, to tell a skipped step from the next one
         self.cast_batch = False
         self._hooks: list[Any] = []
         if self.autocast and dtype == torch.float16:
@@ -95,6 +96,7 @@ class NativeAmp:
                 # A fixed scale: it never grows, and an overflowing step is skipped and the scale restored.
                 self.min_loss_scale = float(loss_scale)
                 self.scaler = torch.amp.GradScaler(device_type, init_scale=float(loss_scale), growth_interval=_NEVER)
+            self._scale = self.scaler.get_scale()
 
     def prepare(self, root: Module, selected: list[Module], cast_model_outputs: torch.dtype | None) -> None:
         """Cast the selected modules (O3) and their inputs and outputs, as ``amp.initialize`` patches them.
@@ -154,21 +156,25 @@ class NativeAmp:
         """
         if self.scaler is None:
             return optimizer.step(**kwargs), False
-        before = self.scaler.get_scale()
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
-        # The scaler backs off (halves) exactly when it skipped the step.
-        skipped = self.scaler.get_scale() < before
-        self._clamp()
+        # The scaler backs off exactly when it skipped the step. Reading the scale costs a device sync on CUDA:
+        # once per step, compared with the value remembered from the step before.
+        scale = self.scaler.get_scale()
+        skipped = scale < self._scale
+        self._scale = self._clamp(scale)
         return result, skipped
 
-    def _clamp(self) -> None:
+    def _clamp(self, scale: float) -> float:
         assert self.scaler is not None
-        scale = self.scaler.get_scale()
         if self.min_loss_scale is not None and scale < self.min_loss_scale:
-            self.scaler.update(new_scale=self.min_loss_scale)
+            scale = self.min_loss_scale
         elif scale > self.max_loss_scale:
-            self.scaler.update(new_scale=self.max_loss_scale)
+            scale = self.max_loss_scale
+        else:
+            return scale
+        self.scaler.update(new_scale=scale)
+        return scale
 
     def loss_scalers(self) -> list[dict[str, float]]:
         """The scaler's state in apex's terms (``loss_scale``, ``unskipped``), to move between backends."""
@@ -182,7 +188,7 @@ class NativeAmp:
             return
         state = self.scaler.state_dict()
         state.update(scale=float(scalers[0]["loss_scale"]), _growth_tracker=int(scalers[0]["unskipped"]))
-        self.scaler.load_state_dict(state)
+        self.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
@@ -190,6 +196,7 @@ class NativeAmp:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+            self._scale = self.scaler.get_scale()
 
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:

@@ -5,8 +5,8 @@
 * every ``trainer.fit`` without a ``ckpt_path`` starts from the newest checkpoint in that directory, so a run
   restarted by ``torchrun --max-restarts`` (or resubmitted by a scheduler) continues where it stopped;
 * while the training loop runs, SIGTERM to any rank (a scheduler's preemption, torchrun shutting down) only raises
-  a flag; at the next accumulation boundary every rank agrees, saves ``preempted-step=<N>.ckpt`` there and exits
-  with status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
+  a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
+  status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
 """
 
 from __future__ import annotations
@@ -167,10 +167,15 @@ def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs
 
 
 class Preemption:
-    """Owns SIGTERM while the training loop runs, and lets every rank agree to save a checkpoint and stop.
+    """Owns SIGTERM while the training loop runs.
 
-    There is one per process (:data:`PREEMPTION`): a signal has one handler, whichever strategy is training. Outside
-    the training loop SIGTERM keeps whatever handler it had (Lightning's, or the default: the process ends).
+    With ``graceful`` (``auto_resume=True``) SIGTERM only raises a flag, and every rank learns at an accumulation
+    boundary whether any rank was signalled: the question goes out as a non-blocking all-reduce at one boundary
+    and its answer is read at the next, so the check costs the training loop no waiting. Without ``graceful``,
+    SIGTERM ends the process at once (its peers then stop with a "peer is gone" error), and nothing is checked.
+    Outside the training loop SIGTERM keeps whatever handler it had.
+
+    There is one per process (:data:`PREEMPTION`): a signal has one handler, whichever strategy is training.
     """
 
     def __init__(self) -> None:
@@ -178,20 +183,26 @@ class Preemption:
         self.saved = False
         self._previous: Any = None
         self._group: Any = None
+        self._question: tuple[torch.Tensor, Any] | None = None
 
-    def start(self, group: Any = None) -> None:
-        """Take SIGTERM over (the main thread only can), until :meth:`stop`.
+    def start(self, graceful: bool, group: Any = None) -> None:
+        """Take SIGTERM over (only the main thread can), until :meth:`stop`.
 
         Args:
-            group: The process group to agree on; a gloo group keeps the check off the GPU.
+            graceful: Raise a flag to agree on (True), or end the process at once (False).
+            group: The gloo process group the ranks agree on, apart from the training's collectives.
         """
         self.requested = self.saved = False
         self._group = group
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._question = None
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm if graceful else signal.SIG_DFL)
 
     def stop(self) -> None:
-        """Give SIGTERM back to the handler it had before :meth:`start`."""
-        if self._previous is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+        """Collect the last question, and give SIGTERM back to the handler it had before :meth:`start`."""
+        if self._question is not None:
+            self._question[1].wait()
+            self._question = None
+        if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
         self._previous = None
 
@@ -200,13 +211,23 @@ class Preemption:
         self.requested = True
 
     def agreed(self) -> bool:
-        """Whether any rank was asked to stop. Every rank must call this at the same point of the same step."""
-        if not dist.is_initialized():
+        """Whether every rank knows that some rank was asked to stop (as of the previous boundary).
+
+        Every rank must call this at the same boundaries. Without peers the answer is immediate.
+        """
+        if not dist.is_initialized() or self._group is None:
             return self.requested
+        agreed = False
+        if self._question is not None:
+            flag, work = self._question
+            work.wait()
+            agreed = bool(flag.item())
         flag = torch.tensor([int(self.requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.requested = bool(flag.item())
-        return self.requested
+        self._question = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
+        if agreed:
+            self._question[1].wait()  # every rank stops here: leave no question open
+            self._question = None
+        return agreed
 
     def save(self, trainer: pl.Trainer) -> Path:
         """Save ``preempted-step=<N>.ckpt`` in the first checkpoint directory (rank 0 writes; all ranks call)."""

@@ -1,0 +1,75 @@
+"""The package's own work per training step is exactly what the README documents ("What runs every step").
+
+A worker counts the calls into lightning_ddp_amp during two fits of 4 and 12 steps on 2 ranks; every function
+whose count grows with the steps is per-step work. Setup work (reading the environment, choosing devices,
+sharding DataLoaders) must not be among them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import Torchrun, check
+
+pytestmark = pytest.mark.multiprocess
+
+#: Per-step work the README documents, and why it runs each step.
+DOCUMENTED = {
+    # Lightning asks the strategy for its device and ranks (cached properties, no computation).
+    "strategy.EnvDDPStrategy.parallel_devices",
+    "cluster_environment.LauncherEnvironment.local_rank",
+    "cluster_environment.LauncherEnvironment.global_rank",
+    "cluster_environment.LauncherEnvironment.world_size",
+    # The preemption check; returns at once without auto_resume.
+    "strategy.EnvDDPStrategy.on_train_batch_start",
+    # The no-op that stands in for Lightning's per-step SIGTERM broadcast (which waits for every rank).
+    "_lightning.disable_sigterm_broadcast.<locals>.<lambda>",
+    # Once per epoch, not per step: the sampler's order for the new epoch.
+    "data._ResumesMidEpoch.__iter__",
+}
+#: With AmpPrecision, its Lightning hooks and the native backend's autocast / GradScaler calls.
+DOCUMENTED_AMP = DOCUMENTED | {
+    "precision.AmpPrecision.backward",
+    "precision.AmpPrecision.backward.<locals>.run_backward",
+    "precision.AmpPrecision.convert_input",
+    "precision.AmpPrecision.forward_context",
+    "precision.AmpPrecision.native",
+    "precision.AmpPrecision.optimizer_step",
+    "precision.AmpPrecision._scales_loss",
+    "native_amp.NativeAmp.backward",
+    "native_amp.NativeAmp.convert_input",
+    "native_amp.NativeAmp.forward_context",
+    "native_amp.NativeAmp.step",
+    "native_amp.NativeAmp.unscale",
+    "native_amp.NativeAmp._clamp",
+}
+#: Setup work that would be a regression if it ran every step.
+SETUP_ONLY = {
+    "environment.read_topology",
+    "devices.select_devices",
+    "data.shard_dataloader",
+    "data._make_resumable",
+    "_lightning.rebuild_dataloader",
+    "precision.AmpPrecision.amp_modules",
+}
+
+
+def per_step_calls(torchrun: Torchrun, out: Path, *args: str) -> dict[str, float]:
+    out.mkdir()
+    check(torchrun.run("count_calls.py", "--out", str(out), *args))
+    return json.loads((out / "rank0.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_fp32_steps_do_only_the_documented_work(torchrun: Torchrun, tmp_path: Path) -> None:
+    calls = per_step_calls(torchrun, tmp_path / "fp32")
+    assert set(calls) <= DOCUMENTED, sorted(set(calls) - DOCUMENTED)
+    assert not set(calls) & SETUP_ONLY
+    assert calls["data._ResumesMidEpoch.__iter__"] < 1  # once per epoch of 8 steps
+
+
+def test_amp_steps_do_only_the_documented_work(torchrun: Torchrun, tmp_path: Path) -> None:
+    calls = per_step_calls(torchrun, tmp_path / "amp", "--amp")
+    assert set(calls) <= DOCUMENTED_AMP, sorted(set(calls) - DOCUMENTED_AMP)
+    assert not set(calls) & SETUP_ONLY
