@@ -31,6 +31,13 @@ LAUNCHER_ENV = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
     "PL_GLOBAL_SEED",
+    # srun's and mpirun's: without these, a CI job that itself runs under SLURM or MPI is not mistaken for one.
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
 )
 
 

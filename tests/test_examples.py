@@ -75,3 +75,34 @@ def test_cli_config_with_apex_o1_runs_with_the_apex_double(tmp_path: Path) -> No
     assert result.returncode == 0, output
     assert "`Trainer.fit` stopped: `max_epochs=2` reached." in output
     assert "not importable" not in output  # apex (the double) ran, not the native fallback
+
+
+def test_two_models_one_optimizer_trains_on_two_ranks_with_amp_o1(torchrun: Torchrun) -> None:
+    result = check(torchrun.run(str(EXAMPLES / "two_models_one_optimizer.py"), "--epochs", "1"))
+    assert "amp-O1: native amp O1 on 2 rank(s); final loss" in result.stdout
+
+
+def test_two_models_one_optimizer_with_apex_o1_runs_with_the_apex_double() -> None:
+    # `--precision apex-O1` needs a GPU with real apex; the CPU test double stands in, on the CPU.
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "two_models_one_optimizer.py"), "--precision", "apex-O1", "--epochs", "1"],
+        env=worker_env(apex_double=True),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "apex-O1: apex amp O1 on 1 rank(s); final loss" in result.stdout
+
+
+def test_multinode_example_runs_two_local_nodes() -> None:
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "multinode.sh"), "--local"],
+        env=worker_env({"PYTHON": sys.executable}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(4):
+        assert f"rank {rank}/4 (launched by torchrun" in result.stdout

@@ -4,6 +4,9 @@ two simulated nodes, clean exits. Each launch is shared by the tests that read i
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -161,6 +164,61 @@ def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(torchrun: Torchrun, t
     seen = {(r["rank"], r["local_rank"], r["node_rank"], r["world_size"], r["num_nodes"]) for r in reports(out)}
     assert seen == {(0, 0, 0, 4, 2), (1, 1, 0, 4, 2), (2, 0, 1, 4, 2), (3, 1, 1, 4, 2)}
     assert max_abs_difference(weights(recipe4), weights(out)) <= TOLERANCE
+
+
+def free_slurm_job_id() -> str:
+    """A SLURM_JOB_ID whose default port (15000 + its last four digits, Lightning's rule) is free here."""
+    for job_id in range(4710000, 4720000):
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 15000 + job_id % 10000))
+        except OSError:
+            continue
+        return str(job_id)
+    raise AssertionError("no free port between 15000 and 24999")
+
+
+def simulated_launcher(launcher: str, rank: int, job_id: str, port: int) -> dict[str, str]:
+    """What `srun --ntasks-per-node=2` or `mpirun -np 2 -x MASTER_PORT` exports to rank `rank` of a one-node job."""
+    if launcher == "srun":
+        return {
+            "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NAME": "train",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+        }
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_PORT": str(port),
+    }
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_srun_and_mpirun_ranks_end_with_the_recipes_weights(recipe: Path, launcher: str, tmp_path: Path) -> None:
+    job_id, port = free_slurm_job_id(), free_port()
+    command = [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"]
+    ranks = [
+        subprocess.Popen(
+            command,
+            env=worker_env(simulated_launcher(launcher, rank, job_id, port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        check(finish(process, timeout=240))
+    seen = {(r["rank"], r["local_rank"], r["node_rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
+    assert seen == {(0, 0, 0, 2, launcher), (1, 1, 0, 2, launcher)}
+    assert max_abs_difference(weights(recipe), weights(tmp_path)) <= TOLERANCE
 
 
 def test_plain_python_trains_as_one_process(tmp_path: Path) -> None:

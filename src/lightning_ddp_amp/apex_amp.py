@@ -171,6 +171,7 @@ class ApexAmp:
         return bool(getattr(getattr(optimizer, "_amp_stash", None), "already_patched", False))
 
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
+        """``amp.master_params(optimizer)``: the fp32 parameters clipping must see."""
         params: Iterator[Tensor] = self.amp.master_params(optimizer)
         return params
 
@@ -191,5 +192,6 @@ class ApexAmp:
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
+        """Nothing to enter: apex patched torch or the models in ``amp.initialize``."""
         # O1 patches torch functions globally and O2/O3 patch the models' forward: nothing to enter here.
         yield

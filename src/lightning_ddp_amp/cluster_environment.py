@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from typing_extensions import override
 
-from lightning_ddp_amp.environment import LAUNCHER_VARIABLES, Topology
+from lightning_ddp_amp.environment import Topology, detect_launcher
 
 
 class LauncherEnvironment(ClusterEnvironment):
@@ -38,7 +36,7 @@ class LauncherEnvironment(ClusterEnvironment):
     @staticmethod
     @override
     def detect() -> bool:
-        return any(name in os.environ for name in LAUNCHER_VARIABLES)
+        return detect_launcher() != "none"
 
     @override
     def world_size(self) -> int:

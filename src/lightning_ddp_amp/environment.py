@@ -3,7 +3,10 @@
 torchrun (any ``--nnodes``) and ``python -m torch.distributed.launch --use_env`` export RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT. Without ``--use_env`` the old launcher
 passes the local rank as ``--local-rank=N`` (``--local_rank N`` before torch 2.0) on the command line instead.
-No launcher variables at all means a plain ``python train.py``: one process, world size 1.
+``srun`` exports SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the tasks per node, SLURM_NODEID and the node list;
+Open MPI's ``mpirun`` exports OMPI_COMM_WORLD_RANK, _LOCAL_RANK, _SIZE and _LOCAL_SIZE. torchrun's variables win
+when several launchers' are present (torchrun started by ``srun`` on every node, for instance). No launcher
+variables at all means a plain ``python train.py``: one process, world size 1.
 
 Everything is checked here, before any network call, so a bad value stops the process at once with a message
 that names the variable, its value and the fix. This module imports nothing from Lightning, so the package can
@@ -14,16 +17,32 @@ check the variables before Lightning's own import-time parsing of RANK and LOCAL
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_ddp_amp.errors import LauncherEnvironmentError
 
-#: Variables whose presence means a launcher started this process.
+#: Variables whose presence means torchrun or torch.distributed.launch started this process; they win.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+#: Open MPI's variables, read when none of torchrun's are set.
+MPIRUN_VARIABLES = (
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+)
+#: What Lightning and torch use when MASTER_PORT is not set: SLURM 15000 + the job id's last four digits.
+SLURM_BASE_PORT = 15000
+DEFAULT_MASTER_PORT = 29500
 
 _LAUNCH_HINT = "launch with `torchrun --nproc-per-node=N train.py`, which sets every launcher variable for you"
+_SRUN_HINT = "launch with `srun --ntasks-per-node=N python train.py`, which sets every SLURM variable for you"
+_MPIRUN_HINT = "launch with `mpirun -np N -x MASTER_ADDR -x MASTER_PORT python train.py`"
+_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_SLURM_COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+_SLURM_TASKS_PER_NODE = ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 
 
 @dataclass(frozen=True)
@@ -38,8 +57,8 @@ class Topology:
         node_rank: Index of this node, 0 ≤ node_rank < num_nodes.
         master_addr: Address of rank 0's rendezvous store (None for a single process).
         master_port: Port of rank 0's rendezvous store (None for a single process).
-        launcher: What started the process: ``"torchrun"``, ``"torch.distributed.launch"``,
-            ``"environment"`` (variables set by hand or another tool) or ``"none"``.
+        launcher: What started the process: ``"torchrun"``, ``"torch.distributed.launch"``, ``"srun"``,
+            ``"mpirun"``, ``"environment"`` (torchrun's variables set by hand or another tool) or ``"none"``.
     """
 
     rank: int = 0
@@ -61,6 +80,34 @@ class Topology:
         return self.world_size > 1
 
 
+def detect_launcher(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> str:
+    """Which launcher's variables :func:`read_topology` reads, without validating them.
+
+    Returns:
+        ``"torch.distributed.launch"`` (``--local-rank`` on the command line), ``"torchrun"`` or
+        ``"environment"`` (RANK / LOCAL_RANK / WORLD_SIZE present), ``"srun"``, ``"mpirun"``, or ``"none"``.
+
+    Raises:
+        LauncherEnvironmentError: ``--local-rank`` is the last argument, with no value.
+    """
+    env = os.environ if environ is None else environ
+    if _local_rank_from_argv(sys.argv[1:] if argv is None else argv) is not None:
+        return "torch.distributed.launch"
+    if any(name in env for name in LAUNCHER_VARIABLES):
+        return "torchrun" if "TORCHELASTIC_RUN_ID" in env else "environment"
+    if _srun_used(env):
+        return "srun"
+    if any(name in env for name in MPIRUN_VARIABLES):
+        return "mpirun"
+    return "none"
+
+
+def _srun_used(env: Mapping[str, str]) -> bool:
+    # Lightning's rule (SLURMEnvironment.detect): an interactive allocation (`salloc`, job name "bash" or
+    # "interactive") exports SLURM_NTASKS too, but its shell's `python train.py` is one process.
+    return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
 def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> Topology:
     """Read and validate the launcher's topology.
 
@@ -74,9 +121,14 @@ def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] 
     """
     env = os.environ if environ is None else environ
     args = sys.argv[1:] if argv is None else argv
-    argv_local_rank = _local_rank_from_argv(args)
-    if argv_local_rank is None and not any(name in env for name in LAUNCHER_VARIABLES):
+    launcher = detect_launcher(env, args)
+    if launcher == "none":
         return Topology()
+    if launcher == "srun":
+        return _read_srun(env)
+    if launcher == "mpirun":
+        return _read_mpirun(env)
+    argv_local_rank = _local_rank_from_argv(args)
 
     world_size = _read_int(env, "WORLD_SIZE", minimum=1)
     if world_size is None:
@@ -94,13 +146,12 @@ def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] 
     local_world_size = _read_int(env, "LOCAL_WORLD_SIZE", minimum=1)
     if local_world_size is None:
         local_world_size = _single_node_local_world_size(env, world_size)
-    if local_world_size > world_size or world_size % local_world_size:
-        raise LauncherEnvironmentError(
-            "LOCAL_WORLD_SIZE",
-            str(local_world_size),
-            f"WORLD_SIZE={world_size} is not a whole number of nodes of {local_world_size} processes",
-            "start the same number of processes on every node (`torchrun --nproc-per-node`)",
-        )
+    _check_whole_nodes(
+        world_size,
+        ("WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+        local_world_size,
+        "start the same number of processes on every node (`torchrun --nproc-per-node`)",
+    )
     local_rank = _local_rank(env, argv_local_rank, local_world_size)
     node_rank = _node_rank(env, default=rank // local_world_size, num_nodes=world_size // local_world_size)
     master_addr, master_port = _master(env, required=world_size > 1)
@@ -112,8 +163,138 @@ def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] 
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        launcher=_launcher_name(env, argv_local_rank),
+        launcher=launcher,
     )
+
+
+def _read_srun(env: Mapping[str, str]) -> Topology:
+    world_size = _required_int(env, "SLURM_NTASKS", _SRUN_HINT, minimum=1)
+    rank = _required_int(env, "SLURM_PROCID", _SRUN_HINT, minimum=0, below=(world_size, "SLURM_NTASKS"))
+    local_world_size, per_node_name = _slurm_tasks_per_node(env)
+    _check_whole_nodes(
+        world_size,
+        ("SLURM_NTASKS", per_node_name),
+        local_world_size,
+        "run the same number of tasks on every node (`srun --ntasks-per-node=N`)",
+    )
+    local_rank = _required_int(env, "SLURM_LOCALID", _SRUN_HINT, minimum=0, below=(local_world_size, per_node_name))
+    num_nodes = world_size // local_world_size
+    node_rank = _read_int(env, "SLURM_NODEID", minimum=0, below=(num_nodes, "the number of nodes"), hint=_SRUN_HINT)
+    nodes = next((name for name in _SLURM_NODELISTS if env.get(name, "").strip()), None)
+    job_id = env.get("SLURM_JOB_ID", "").strip()
+    master_addr, master_port = _master(
+        env,
+        required=world_size > 1,
+        default_addr=_first_slurm_host(env[nodes]) if nodes else None,
+        default_port=SLURM_BASE_PORT + int(job_id[-4:]) if job_id[-4:].isdigit() else None,
+        hint=_SRUN_HINT,
+    )
+    return Topology(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=rank // local_world_size if node_rank is None else node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        launcher="srun",
+    )
+
+
+def _slurm_tasks_per_node(env: Mapping[str, str]) -> tuple[int, str]:
+    """Tasks per node from the first of SLURM's variables that is set; every node must run as many."""
+    for name in _SLURM_TASKS_PER_NODE:
+        raw = env.get(name)
+        if raw is None:
+            continue
+        counts = _expand_slurm_counts(name, raw)
+        if len(set(counts)) > 1:
+            raise LauncherEnvironmentError(
+                name,
+                raw,
+                "the nodes run different numbers of tasks, but DDP ranks are laid out as whole nodes",
+                "run the same number of tasks on every node (`srun --ntasks-per-node=N`)",
+            )
+        return counts[0], name
+    raise LauncherEnvironmentError(
+        "SLURM_NTASKS_PER_NODE",
+        None,
+        "neither it nor SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE is set",
+        _SRUN_HINT,
+    )
+
+
+def _expand_slurm_counts(name: str, raw: str) -> list[int]:
+    # SLURM writes per-node counts compressed: "2(x3),1" means 2, 2, 2, 1.
+    counts: list[int] = []
+    for part in raw.split(","):
+        match = _SLURM_COUNT.fullmatch(part.strip())
+        if match is None or int(match[1]) < 1:
+            raise LauncherEnvironmentError(
+                name, raw, "it is not SLURM's list of tasks per node (e.g. '4' or '4(x2)')", _SRUN_HINT
+            )
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def _first_slurm_host(nodes: str) -> str:
+    # The host of rank 0: the first of the node list ("node[07-09,12]" -> "node07"), exactly as Lightning picks it.
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+
+    return SLURMEnvironment.resolve_root_node_address(nodes.strip())
+
+
+def _read_mpirun(env: Mapping[str, str]) -> Topology:
+    world_size = _required_int(env, "OMPI_COMM_WORLD_SIZE", _MPIRUN_HINT, minimum=1)
+    rank = _required_int(
+        env, "OMPI_COMM_WORLD_RANK", _MPIRUN_HINT, minimum=0, below=(world_size, "OMPI_COMM_WORLD_SIZE")
+    )
+    local_world_size = _required_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", _MPIRUN_HINT, minimum=1)
+    _check_whole_nodes(
+        world_size,
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        local_world_size,
+        "run the same number of processes on every node (`mpirun --map-by ppr:N:node`)",
+    )
+    local_rank = _required_int(
+        env,
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        _MPIRUN_HINT,
+        minimum=0,
+        below=(local_world_size, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    )
+    num_nodes = world_size // local_world_size
+    node_rank = _read_int(
+        env, "OMPI_COMM_WORLD_NODE_RANK", minimum=0, below=(num_nodes, "the number of nodes"), hint=_MPIRUN_HINT
+    )
+    # mpirun exports no rendezvous address: one node can meet on the loopback, several need MASTER_ADDR.
+    master_addr, master_port = _master(
+        env,
+        required=world_size > 1,
+        default_addr="127.0.0.1" if num_nodes == 1 else None,
+        default_port=DEFAULT_MASTER_PORT,
+        hint="pass it to every rank: `mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<free port> ...`",
+    )
+    return Topology(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=rank // local_world_size if node_rank is None else node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        launcher="mpirun",
+    )
+
+
+def _check_whole_nodes(world_size: int, names: tuple[str, str], local_world_size: int, fix: str) -> None:
+    if local_world_size > world_size or world_size % local_world_size:
+        raise LauncherEnvironmentError(
+            names[1],
+            str(local_world_size),
+            f"{names[0]}={world_size} is not a whole number of nodes of {local_world_size} processes",
+            fix,
+        )
 
 
 def _single_node_local_world_size(env: Mapping[str, str], world_size: int) -> int:
@@ -129,27 +310,46 @@ def _single_node_local_world_size(env: Mapping[str, str], world_size: int) -> in
     return world_size
 
 
-def _read_int(env: Mapping[str, str], name: str, *, minimum: int, below: tuple[int, str] | None = None) -> int | None:
+def _read_int(
+    env: Mapping[str, str],
+    name: str,
+    *,
+    minimum: int,
+    below: tuple[int, str] | None = None,
+    hint: str = _LAUNCH_HINT,
+) -> int | None:
     raw = env.get(name)
     if raw is None:
         return None
-    return _to_int(name, raw, minimum=minimum, below=below)
+    return _to_int(name, raw, minimum=minimum, below=below, hint=hint)
 
 
-def _to_int(name: str, raw: str, *, minimum: int, below: tuple[int, str] | None = None) -> int:
+def _required_int(
+    env: Mapping[str, str], name: str, hint: str, *, minimum: int, below: tuple[int, str] | None = None
+) -> int:
+    value = _read_int(env, name, minimum=minimum, below=below, hint=hint)
+    if value is None:
+        launcher_set = ", ".join(sorted(key for key in env if key.startswith(name.split("_")[0] + "_")))
+        raise LauncherEnvironmentError(name, None, f"it is not set, although {launcher_set} are", hint)
+    return value
+
+
+def _to_int(
+    name: str, raw: str, *, minimum: int, below: tuple[int, str] | None = None, hint: str = _LAUNCH_HINT
+) -> int:
     try:
         value = int(raw.strip())
     except ValueError:
-        raise LauncherEnvironmentError(name, raw, "it is not an integer", _LAUNCH_HINT) from None
+        raise LauncherEnvironmentError(name, raw, "it is not an integer", hint) from None
     if value < minimum:
-        raise LauncherEnvironmentError(name, raw, f"it must be at least {minimum}", _LAUNCH_HINT)
+        raise LauncherEnvironmentError(name, raw, f"it must be at least {minimum}", hint)
     if below is not None and value >= below[0]:
         limit, limit_name = below
         raise LauncherEnvironmentError(
             name,
             raw,
             f"it must be below {limit_name}={limit} (valid values are 0..{limit - 1})",
-            f"check how the launcher set {name} and {limit_name}, or {_LAUNCH_HINT}",
+            f"check how the launcher set {name} and {limit_name}, or {hint}",
         )
     return value
 
@@ -204,7 +404,14 @@ def _node_rank(env: Mapping[str, str], *, default: int, num_nodes: int) -> int:
     return default
 
 
-def _master(env: Mapping[str, str], *, required: bool) -> tuple[str | None, int | None]:
+def _master(
+    env: Mapping[str, str],
+    *,
+    required: bool,
+    default_addr: str | None = None,
+    default_port: int | None = None,
+    hint: str = _LAUNCH_HINT,
+) -> tuple[str | None, int | None]:
     addr = env.get("MASTER_ADDR")
     if addr is not None and not addr.strip():
         raise LauncherEnvironmentError(
@@ -224,35 +431,29 @@ def _master(env: Mapping[str, str], *, required: bool) -> tuple[str | None, int 
                 "it is not a port number between 1 and 65535",
                 "pick a free port, e.g. `torchrun --master-port=29500`",
             )
+    addr = addr.strip() if addr else default_addr
+    port = default_port if port is None else port
     if required and addr is None:
         raise LauncherEnvironmentError(
             "MASTER_ADDR",
             None,
             "it is not set, but ranks need it to find each other",
-            "export MASTER_ADDR=<host of rank 0>, or " + _LAUNCH_HINT,
+            "export MASTER_ADDR=<host of rank 0>, or " + hint,
         )
     if required and port is None:
         raise LauncherEnvironmentError(
             "MASTER_PORT",
             None,
             "it is not set, but ranks need it to find each other",
-            "export MASTER_PORT=<free port>, or " + _LAUNCH_HINT,
+            "export MASTER_PORT=<free port>, or " + hint,
         )
-    return (addr.strip() if addr else None), port
-
-
-def _launcher_name(env: Mapping[str, str], argv_local_rank: str | None) -> str:
-    if argv_local_rank is not None:
-        return "torch.distributed.launch"
-    if "TORCHELASTIC_RUN_ID" in env:
-        return "torchrun"
-    return "environment"
+    return addr, port
 
 
 def check_rank_variables(environ: Mapping[str, str] | None = None) -> None:
     """Check the variables Lightning itself parses with ``int()`` when it is imported.
 
-    ``import lightning`` reads RANK and LOCAL_RANK to set up its rank-zero utilities, and a malformed value
+    ``import lightning`` reads RANK, LOCAL_RANK and SLURM_PROCID to set up its rank-zero utilities, and a malformed value
     fails there with ``invalid literal for int()``. ``import lightning_ddp_amp`` calls this first, so the user
     sees which variable is wrong and what to do; the full check runs when the strategy is built.
 
@@ -260,5 +461,5 @@ def check_rank_variables(environ: Mapping[str, str] | None = None) -> None:
         LauncherEnvironmentError: RANK or LOCAL_RANK is set but is not a non-negative integer.
     """
     env = os.environ if environ is None else environ
-    for name in ("RANK", "LOCAL_RANK"):
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
         _read_int(env, name, minimum=0)

@@ -130,10 +130,12 @@ class NativeAmp:
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     def convert_input(self, data: Any) -> Any:
+        """The batch, cast to the half dtype when O3 selected the LightningModule itself."""
         return cast_floats(data, self.dtype) if self.cast_batch else data
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
+        """``torch.autocast`` for O1/O2; nothing for O0 and O3."""
         if not self.autocast:
             yield
             return
@@ -141,6 +143,7 @@ class NativeAmp:
             yield
 
     def backward(self, loss: Tensor, run_backward: Callable[[Tensor], None]) -> None:
+        """Run ``run_backward`` on the loss, scaled by the ``GradScaler`` when there is one."""
         run_backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def unscale(self, optimizer: Optimizer) -> None:
@@ -184,6 +187,7 @@ class NativeAmp:
         return [{"loss_scale": float(state["scale"]), "unskipped": int(state["_growth_tracker"])}]
 
     def load_loss_scalers(self, scalers: list[dict[str, float]]) -> None:
+        """Take the loss scale of a checkpoint written by the apex backend."""
         if self.scaler is None or not scalers:
             return
         state = self.scaler.state_dict()
@@ -191,9 +195,11 @@ class NativeAmp:
         self.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
+        """The ``GradScaler``'s state, for the checkpoint."""
         return self.scaler.state_dict() if self.scaler is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the ``GradScaler``'s state from a checkpoint."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
             self._scale = self.scaler.get_scale()

@@ -449,6 +449,7 @@ class SkipAwareScheduler:
         object.__setattr__(self, "_skipped", skipped)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped scheduler's ``step``, unless the optimizer step it follows was skipped on overflow."""
         if self._skipped(self.scheduler.optimizer):
             return None
         return self.scheduler.step(*args, **kwargs)

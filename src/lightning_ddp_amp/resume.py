@@ -81,6 +81,7 @@ def check_checkpoint(checkpoint: object, path: Any) -> None:
 
 
 def unreadable_checkpoint(path: Any, error: Exception) -> CheckpointError:
+    """The error for a checkpoint file that cannot be loaded (truncated, or not a torch checkpoint)."""
     return CheckpointError(
         "ckpt_path",
         str(path),
@@ -133,6 +134,7 @@ class AutoResumeLauncher:
         self._resumed = resumed
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Run ``function`` in this process, resuming a fit without ``ckpt_path`` from the newest checkpoint."""
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or _given_ckpt_path(function, args, kwargs):
             return function(*args, **kwargs)
         directories = checkpoint_dirs(trainer)

@@ -6,7 +6,6 @@ metrics, which files it wrote); rank 0 also saves the final weights to OUT/weigh
 
 import argparse
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
-from lightning_ddp_amp import EnvDDPStrategy
+from lightning_ddp_amp import EnvDDPStrategy, read_topology
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -34,7 +33,7 @@ parser.add_argument("--accelerator", default="cpu")
 parser.add_argument("--timeout", type=float, default=1800.0, help="EnvDDPStrategy(timeout=...), seconds")
 args = parser.parse_args()
 out = Path(args.out)
-RANK = os.environ.get("RANK", "0")
+RANK = str(read_topology().rank)  # torchrun, srun or mpirun
 
 
 def record_write(kind: str) -> None:
@@ -125,6 +124,7 @@ report = {
     "world_size": trainer.world_size,
     "num_nodes": trainer.num_nodes,
     "num_devices": trainer.num_devices,
+    "launcher": trainer.strategy.topology.launcher,
     "device": str(trainer.strategy.root_device),
     "ddp": model.ddp,
     "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,

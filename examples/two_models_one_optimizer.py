@@ -1,0 +1,105 @@
+"""The classic apex recipe with two models and one optimizer, rewritten as a LightningModule.
+
+The script this replaces::
+
+    model_a, model_b = Encoder().cuda(), Head().cuda()
+    optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=0.05)
+    [model_a, model_b], optimizer = amp.initialize([model_a, model_b], optimizer, opt_level="O1")
+    model_a, model_b = DDP(model_a), DDP(model_b)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = criterion(model_b(model_a(x)), y)
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+
+Run it:
+
+    torchrun --nproc-per-node=2 examples/two_models_one_optimizer.py                    # CPU: precision amp-O1
+    torchrun --nproc-per-node=8 examples/two_models_one_optimizer.py --precision apex-O1 --accelerator cuda
+"""
+
+import argparse
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_ddp_amp  # noqa: F401  (registers "envddp" and the "apex-O*" / "amp-O*" precision values)
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.relu(x))
+
+
+class TwoModels(L.LightningModule):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.model_a = Encoder()
+        self.model_b = Head()
+        self.lr = lr
+
+    def configure_amp_models(self) -> list[torch.nn.Module]:
+        # amp.initialize([model_a, model_b], optimizer): the models whose forward is called.
+        return [self.model_a, self.model_b]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.model_b(self.model_a(x)).float(), y)
+        self.log("loss", loss, sync_dist=True, prog_bar=True)
+        return loss  # backward runs inside amp.scale_loss (apex) or through the GradScaler (native)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # One optimizer over both models, as in the recipe.
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--precision", default="amp-O1", help="apex-O0..O3, amp-O0..O3 or any Lightning value")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+
+    L.seed_everything(0)
+    x = torch.randn(1024, 32)
+    y = (x[:, :10].argmax(dim=1) + (x[:, 10] > 0).long()) % 10
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # sharded per rank by envddp
+
+    trainer = L.Trainer(
+        strategy="envddp",
+        precision=args.precision,
+        accelerator=args.accelerator,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TwoModels(), loader)
+    if trainer.is_global_zero:
+        amp = trainer.precision_plugin
+        print(
+            f"{args.precision}: {amp.backend} amp {amp.opt_level} on {trainer.world_size} rank(s); final loss"
+            f" {trainer.callback_metrics['loss'].item():.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

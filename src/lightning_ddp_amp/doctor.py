@@ -1,0 +1,396 @@
+"""``lightning-ddp-amp env``: what this process would train with, and what stands in the way.
+
+The report covers the launcher and topology this rank reads, its devices, the versions of torch, Lightning, CUDA,
+cuDNN and NCCL, the process-group backends, and NVIDIA apex: whether it is installed at all, whether it is the
+impostor from PyPI, whether ``apex.amp`` is still there, and whether its compiled extensions load with this torch.
+Each problem comes with its fix in one line.
+
+It starts no process group and writes nothing, so it is safe on any rank of a running job and on a machine without
+a GPU. apex's compiled extensions are loaded in a child process: one built for another torch can crash the
+interpreter that imports it (the segmentation fault users meet in ``scaled_loss.backward()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+from lightning_ddp_amp import _lightning
+from lightning_ddp_amp.apex_amp import _INSTALL as APEX_INSTALL
+from lightning_ddp_amp.apex_amp import NATIVE_ALTERNATIVES
+from lightning_ddp_amp.devices import select_devices
+from lightning_ddp_amp.environment import (
+    LAUNCHER_VARIABLES,
+    MPIRUN_VARIABLES,
+    Topology,
+    detect_launcher,
+    read_topology,
+)
+from lightning_ddp_amp.errors import LightningDDPAmpError
+
+#: apex's compiled extensions: what each one is for, as the report says it.
+APEX_EXTENSIONS = {
+    "amp_C": "fused multi-tensor kernels of apex.amp and apex.optimizers",
+    "apex_C": "flatten/unflatten of apex.parallel.DistributedDataParallel",
+    "syncbn": "apex.parallel.SyncBatchNorm",
+    "fused_layer_norm_cuda": "apex.normalization.FusedLayerNorm",
+}
+_APEX_TIMEOUT_S = 120
+# The environment a launcher leaves, shown as is so that a report can be compared across ranks.
+_SHOWN_PREFIXES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_JOB_ID", "OMPI_COMM_WORLD")
+_SHOWN = (
+    *LAUNCHER_VARIABLES,
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+)
+
+
+def report(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Everything the doctor knows, as plain JSON-compatible data.
+
+    Args:
+        environ: The environment to read; ``os.environ`` when None.
+        argv: The training command line to search for ``--local-rank``; none when None (the doctor's own
+            arguments are not a training script's).
+
+    Returns:
+        A dict with the sections ``launcher``, ``devices``, ``versions``, ``backends`` and ``apex``, and
+        ``problems``: a list of ``{"problem": ..., "fix": ...}``, empty when nothing stands in the way.
+    """
+    env = os.environ if environ is None else environ
+    problems: list[dict[str, str]] = []
+    launcher, topology = _launcher(env, [] if argv is None else list(argv), problems)
+    return {
+        "launcher": launcher,
+        "devices": _devices(env, topology, problems),
+        "versions": _versions(problems),
+        "backends": _backends(problems),
+        "apex": _apex(problems),
+        "problems": problems,
+    }
+
+
+def _launcher(
+    env: Mapping[str, str], argv: list[str], problems: list[dict[str, str]]
+) -> tuple[dict[str, Any], Topology | None]:
+    variables = {
+        name: value for name, value in sorted(env.items()) if name in _SHOWN or name.startswith(_SHOWN_PREFIXES)
+    }
+    section: dict[str, Any] = {"variables": variables}
+    try:
+        section["name"] = detect_launcher(env, argv)
+        topology = read_topology(env, argv)
+    except LightningDDPAmpError as error:
+        problems.append({"problem": f"{error.field}={error.value!r}: {error.problem}", "fix": error.fix})
+        section["error"] = str(error)
+        return section, None
+    section["decision"] = (
+        "single process: no launcher variables, so one process trains alone on the default device"
+        if topology.launcher == "none"
+        else f"launched externally by {topology.launcher}: {topology.world_size} rank(s) on {topology.num_nodes} node(s)"
+    )
+    ignored = _ignored_launchers(env, topology.launcher)
+    if ignored:
+        section["ignored"] = ignored
+    section["topology"] = {
+        "rank": topology.rank,
+        "local_rank": topology.local_rank,
+        "world_size": topology.world_size,
+        "local_world_size": topology.local_world_size,
+        "node_rank": topology.node_rank,
+        "num_nodes": topology.num_nodes,
+        "master_addr": topology.master_addr,
+        "master_port": topology.master_port,
+    }
+    return section, topology
+
+
+def _ignored_launchers(env: Mapping[str, str], used: str) -> list[str]:
+    found = []
+    if used not in ("srun", "none") and "SLURM_NTASKS" in env:
+        found.append("srun (SLURM_*): torchrun's variables win")
+    if used not in ("mpirun", "none") and any(name in env for name in MPIRUN_VARIABLES):
+        found.append("mpirun (OMPI_COMM_WORLD_*): " + ("SLURM's" if used == "srun" else "torchrun's") + " win")
+    return found
+
+
+def _devices(env: Mapping[str, str], topology: Topology | None, problems: list[dict[str, str]]) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    section: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cuda_available": cuda,
+        "cuda_device_count": count,
+        "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_devices": [
+            {
+                "index": index,
+                "name": torch.cuda.get_device_name(index),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(index))),
+            }
+            for index in range(count)
+        ],
+        "bf16_supported": torch.cuda.is_bf16_supported() if cuda else None,
+    }
+    if topology is not None:
+        try:
+            device = select_devices("cuda" if cuda else "cpu", topology, count)[topology.local_rank]
+        except LightningDDPAmpError as error:
+            problems.append({"problem": f"{error.field}={error.value!r}: {error.problem}", "fix": error.fix})
+        else:
+            section["this_rank_device"] = str(device)
+    return section
+
+
+def _versions(problems: list[dict[str, str]]) -> dict[str, Any]:
+    section: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "lightning_ddp_amp": _distribution_version("lightning-ddp-amp"),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": _cudnn_version(),
+        "nccl": _nccl_version(),
+        "lightning": _distribution_version("lightning"),
+        "pytorch_lightning": _distribution_version("pytorch-lightning"),
+    }
+    low, high = _lightning.TESTED_LIGHTNING
+    for name in ("lightning", "pytorch_lightning"):
+        installed = section[name]
+        if installed is not None and not low <= Version(installed) < high:
+            problems.append(
+                {
+                    "problem": f"{name} {installed} is outside the releases lightning-ddp-amp is tested with",
+                    "fix": f"pip install '{name.replace('_', '-')}>={low},<{high}'",
+                }
+            )
+    return section
+
+
+def _cudnn_version() -> int | None:
+    if not torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]
+        return None
+    version: int | None = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
+    return version
+
+
+def _nccl_version() -> str | None:
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
+        return None
+    return ".".join(map(str, torch.cuda.nccl.version()))  # type: ignore[no-untyped-call]
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _backends(problems: list[dict[str, str]]) -> dict[str, Any]:
+    if not dist.is_available():
+        problems.append(
+            {
+                "problem": "this torch build has no torch.distributed",
+                "fix": "install a torch build with distributed support (every official Linux build has it)",
+            }
+        )
+        return {"distributed": False}
+    section: dict[str, Any] = {
+        "distributed": True,
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+        "ucc": dist.is_ucc_available(),
+        "default": "nccl" if torch.cuda.is_available() else "gloo",
+    }
+    if torch.cuda.is_available() and not section["nccl"]:
+        problems.append(
+            {
+                "problem": "CUDA is available but this torch build has no NCCL",
+                "fix": 'install a torch build with NCCL, or pass EnvDDPStrategy(process_group_backend="gloo")',
+            }
+        )
+    return section
+
+
+def _apex(problems: list[dict[str, str]]) -> dict[str, Any]:
+    spec = importlib.util.find_spec("apex")
+    if spec is None or not spec.submodule_search_locations:
+        return {
+            "installed": False,
+            "note": 'precision="apex-O*" is unavailable; "amp-O*" runs the same O-levels on native torch AMP',
+        }
+    root = Path(next(iter(spec.submodule_search_locations)))
+    section: dict[str, Any] = {"installed": True, "location": str(root), "version": _distribution_version("apex")}
+    if "IS_TEST_DOUBLE = True" in _read(root / "__init__.py"):
+        section["test_double"] = True
+    if not any((root / sub).is_dir() for sub in ("amp", "parallel", "optimizers", "normalization")):
+        section["nvidia"] = False
+        problems.append(
+            {
+                "problem": f"the 'apex' installed at {root} is not NVIDIA apex (the apex on PyPI is a web toolkit)",
+                "fix": "pip uninstall apex, then " + APEX_INSTALL,
+            }
+        )
+        return section
+    section["nvidia"] = True
+    section["amp"] = (root / "amp").is_dir()
+    if not section["amp"]:
+        problems.append(
+            {
+                "problem": "this NVIDIA apex has no apex.amp: it was removed after release 25.05",
+                "fix": APEX_INSTALL,
+            }
+        )
+    section["extensions"] = extensions = {name: _load_extension(name) for name in APEX_EXTENSIONS}
+    for name, state in extensions.items():
+        if state["state"] in ("fails", "crashes"):
+            problems.append(
+                {
+                    "problem": f"apex's {name} ({APEX_EXTENSIONS[name]}) {state['state']} on import with torch"
+                    f" {torch.__version__}: {state['detail']}; apex was built for another torch or CUDA, the"
+                    " usual cause of segmentation faults in scaled_loss.backward()",
+                    "fix": "pip uninstall apex, then rebuild it against this torch: " + APEX_INSTALL,
+                }
+            )
+    if section["amp"] and extensions["amp_C"]["state"] == "missing" and not section.get("test_double"):
+        problems.append(
+            {
+                "problem": "apex was built without its CUDA extensions (amp_C is missing): apex.amp falls back to"
+                " slow Python loops and apex's fused optimizers do not exist",
+                "fix": APEX_INSTALL,
+            }
+        )
+    if section["amp"] and not torch.cuda.is_available():
+        section["note"] = "apex amp needs CUDA; on this machine " + NATIVE_ALTERNATIVES
+    return section
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _load_extension(name: str) -> dict[str, str]:
+    """Whether apex's compiled module ``name`` loads next to this torch, tried in a child process."""
+    if importlib.util.find_spec(name) is None:
+        return {"state": "missing", "detail": "not built"}
+    # The child searches exactly this interpreter's path, so it loads what an import here would load.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", f"import torch, {name}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=_APEX_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"state": "fails", "detail": f"the import did not finish within {_APEX_TIMEOUT_S} s"}
+    if child.returncode == 0:
+        return {"state": "loads", "detail": "built for this torch"}
+    if child.returncode < 0:
+        return {"state": "crashes", "detail": f"the importing process died of signal {-child.returncode}"}
+    last_line = (child.stderr.strip().splitlines() or ["no message"])[-1]
+    return {"state": "fails", "detail": last_line}
+
+
+def render(data: Mapping[str, Any]) -> str:
+    """The report as text for people: one line per fact, then the problems with their fixes."""
+    lines = [f"lightning-ddp-amp {data['versions']['lightning_ddp_amp']} environment report", ""]
+    launcher = data["launcher"]
+    lines.append(f"launcher     {launcher.get('name', '?')}")
+    if "decision" in launcher:
+        lines.append(f"decision     {launcher['decision']}")
+    topology = launcher.get("topology")
+    if topology:
+        lines.append(
+            f"topology     rank {topology['rank']} of {topology['world_size']}, local rank {topology['local_rank']}"
+            f" of {topology['local_world_size']}, node {topology['node_rank']} of {topology['num_nodes']},"
+            f" master {topology['master_addr']}:{topology['master_port']}"
+        )
+    for ignored in launcher.get("ignored", []):
+        lines.append(f"ignored      {ignored}")
+    for name, value in launcher["variables"].items():
+        lines.append(f"  {name}={value}")
+    devices = data["devices"]
+    lines.append(f"devices      {devices['cpu_count']} CPU(s), {devices['cuda_device_count']} CUDA device(s)")
+    for device in devices["cuda_devices"]:
+        lines.append(f"  cuda:{device['index']} {device['name']} (compute capability {device['capability']})")
+    if "this_rank_device" in devices:
+        lines.append(f"this rank    trains on {devices['this_rank_device']}")
+    versions = data["versions"]
+    lines.append(
+        "versions     "
+        + ", ".join(
+            f"{name} {versions[name] or '-'}"
+            for name in ("python", "torch", "torch_cuda", "cudnn", "nccl", "lightning", "pytorch_lightning")
+        )
+    )
+    backends = data["backends"]
+    if backends["distributed"]:
+        available = [name for name in ("gloo", "nccl", "mpi", "ucc") if backends[name]]
+        lines.append(f"backends     {', '.join(available) or 'none'}; envddp would use {backends['default']}")
+    apex = data["apex"]
+    if not apex["installed"]:
+        lines.append(f"apex         not installed: {apex['note']}")
+    else:
+        kind = "TEST DOUBLE" if apex.get("test_double") else "NVIDIA apex" if apex["nvidia"] else "not NVIDIA apex"
+        lines.append(f"apex         {kind} {apex['version'] or ''} at {apex['location']}".replace("  ", " "))
+        if apex["nvidia"]:
+            lines.append(f"  apex.amp   {'present' if apex['amp'] else 'removed (apex > 25.05)'}")
+            for name, state in apex["extensions"].items():
+                lines.append(f"  {name:<22} {state['state']}: {state['detail']}")
+        if "note" in apex:
+            lines.append(f"  {apex['note']}")
+    lines.append("")
+    problems = data["problems"]
+    if not problems:
+        lines.append("No problems found.")
+    for problem in problems:
+        lines += [f"PROBLEM: {problem['problem']}", f"    fix: {problem['fix']}"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``lightning-ddp-amp`` command. Returns 0 when the report lists no problems, else 1."""
+    parser = argparse.ArgumentParser(prog="lightning-ddp-amp", description=__doc__.split("\n")[0])
+    # What `python -m torch.distributed.launch` without --use-env puts before the command, so the doctor runs
+    # under it too.
+    parser.add_argument("--local-rank", "--local_rank", dest="local_rank", help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True)
+    env = commands.add_parser("env", help="report the launcher, devices, versions and apex, with fixes")
+    env.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    data = report(argv=[] if args.local_rank is None else [f"--local-rank={args.local_rank}"])
+    print(json.dumps(data, indent=2) if args.json else render(data))
+    return 1 if data["problems"] else 0

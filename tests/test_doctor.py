@@ -1,0 +1,187 @@
+"""`lightning-ddp-amp env`: the report, its problems and fixes, and that it is safe on any rank.
+
+The fake apex layouts below are TEST DOUBLES of what users have installed (PyPI's unrelated `apex`, an NVIDIA apex
+after 25.05, one built for another torch): real NVIDIA apex cannot be installed here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import check, finish, free_port, worker_env
+
+from lightning_ddp_amp import doctor
+
+SRUN_RANK_1 = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "node01",
+}
+TORCHRUN_RANK_1 = {
+    "RANK": "1",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "x",
+}
+
+
+def run_doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_ddp_amp", "env", *args],
+        env=worker_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_plain_machine_reports_a_single_process_and_no_problems() -> None:
+    result = run_doctor("--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["launcher"]["name"] == "none"
+    assert data["launcher"]["decision"].startswith("single process")
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["backends"]["gloo"] is True
+    assert data["backends"]["default"] == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert data["devices"]["this_rank_device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if importlib.util.find_spec("apex") is None:
+        assert data["apex"]["installed"] is False
+    assert data["problems"] == []
+
+
+def test_text_report_for_people() -> None:
+    result = run_doctor(env=SRUN_RANK_1)
+    assert result.returncode == 0, result.stderr
+    assert "launcher     srun" in result.stdout
+    assert "rank 1 of 2, local rank 1 of 2, node 0 of 1, master node01:15077" in result.stdout
+    assert "No problems found." in result.stdout
+
+
+def test_report_says_which_launcher_won() -> None:
+    data = doctor.report({**SRUN_RANK_1, **TORCHRUN_RANK_1})
+    assert data["launcher"]["name"] == "torchrun"
+    assert data["launcher"]["topology"]["master_port"] == 29500
+    assert data["launcher"]["ignored"] == ["srun (SLURM_*): torchrun's variables win"]
+    assert data["launcher"]["variables"]["SLURM_PROCID"] == "1"
+
+
+def test_bad_environment_is_a_problem_with_its_fix_and_exit_status_one() -> None:
+    result = run_doctor("--json", env={**TORCHRUN_RANK_1, "RANK": "2"})
+    assert result.returncode == 1
+    (problem,) = json.loads(result.stdout)["problems"]
+    assert problem["problem"] == "RANK='2': it must be below WORLD_SIZE=2 (valid values are 0..1)"
+    assert "torchrun" in problem["fix"]
+
+
+def test_unsupported_lightning_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = doctor._distribution_version
+    monkeypatch.setattr(doctor, "_distribution_version", lambda name: "2.4.0" if name == "lightning" else real(name))
+    problems = doctor.report({})["problems"]
+    assert {"problem": "lightning 2.4.0 is outside the releases lightning-ddp-amp is tested with",
+            "fix": "pip install 'lightning>=2.5.0,<2.7.0'"} in problems  # fmt: skip
+
+
+def fake_apex(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def apex_report(monkeypatch: pytest.MonkeyPatch, root: Path) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    monkeypatch.syspath_prepend(str(root))
+    for name in [n for n in sys.modules if n.split(".")[0] in ("apex", *doctor.APEX_EXTENSIONS)]:
+        monkeypatch.delitem(sys.modules, name)
+    data = doctor.report({})
+    return data["apex"], data["problems"]
+
+
+def test_pypi_apex_is_named_as_the_impostor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    root = fake_apex(tmp_path, {"apex/__init__.py": "", "apex/views.py": "", "apex/models.py": ""})
+    apex, problems = apex_report(monkeypatch, root)
+    assert apex["nvidia"] is False
+    (problem,) = problems
+    assert "is not NVIDIA apex (the apex on PyPI is a web toolkit)" in problem["problem"]
+    assert problem["fix"].startswith("pip uninstall apex, then build NVIDIA apex 25.05 or older from source")
+
+
+def test_apex_after_25_05_has_no_amp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    root = fake_apex(tmp_path, {"apex/__init__.py": "", "apex/parallel/__init__.py": "", "amp_C.py": ""})
+    apex, problems = apex_report(monkeypatch, root)
+    assert (apex["nvidia"], apex["amp"]) == (True, False)
+    assert [p["problem"] for p in problems] == ["this NVIDIA apex has no apex.amp: it was removed after release 25.05"]
+
+
+def test_extensions_built_for_another_torch_are_found_without_crashing_the_doctor(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = fake_apex(
+        tmp_path,
+        {
+            "apex/__init__.py": "",
+            "apex/amp/__init__.py": "",
+            # What an extension compiled against another torch does on import: a missing C++ symbol...
+            "amp_C.py": "raise ImportError('amp_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')",
+            # ... or a crash of the importing process.
+            "apex_C.py": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
+            "syncbn.py": "",
+        },
+    )
+    apex, problems = apex_report(monkeypatch, root)
+    extensions = apex["extensions"]
+    assert extensions["amp_C"] == {"state": "fails", "detail": "ImportError: amp_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"}  # fmt: skip
+    assert extensions["apex_C"]["state"] == "crashes"
+    assert extensions["syncbn"]["state"] == "loads"
+    assert extensions["fused_layer_norm_cuda"]["state"] == "missing"
+    broken = [p for p in problems if "built for another torch" in p["problem"]]
+    assert [p["problem"].split(" (")[0] for p in broken] == ["apex's amp_C", "apex's apex_C"]
+    assert all(p["fix"].startswith("pip uninstall apex, then rebuild it against this torch") for p in broken)
+
+
+def test_apex_without_compiled_extensions_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    root = fake_apex(tmp_path, {"apex/__init__.py": "", "apex/amp/__init__.py": ""})
+    _, problems = apex_report(monkeypatch, root)
+    assert any("built without its CUDA extensions (amp_C is missing)" in p["problem"] for p in problems)
+
+
+def test_the_apex_test_double_is_named_as_one(apex_double: object) -> None:
+    apex = doctor.report({})["apex"]
+    assert (apex["test_double"], apex["amp"]) == (True, True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "torch.distributed.launch"])
+def test_safe_on_every_rank_under_a_real_launcher(launcher: str, tmp_path: Path) -> None:
+    # torch.distributed.launch without --use-env appends --local-rank=N, which the doctor accepts too.
+    command = [sys.executable, "-m", launcher, "--nproc-per-node=2", f"--master-port={free_port()}"]
+    command += [f"--log-dir={tmp_path}", "--redirects=3", "-m", "lightning_ddp_amp", "env", "--json"]
+    process = subprocess.Popen(command, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check(finish(process, timeout=120))
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("**/stdout.log"))]
+    ranks = {(r["launcher"]["name"], r["launcher"]["topology"]["rank"]) for r in reports}
+    expected = "torchrun" if launcher == "torch.distributed.run" else "torch.distributed.launch"
+    assert ranks == {(expected, 0), (expected, 1)}
+
+
+def test_console_script_runs_the_doctor() -> None:
+    # `pip install lightning-ddp-amp` puts `lightning-ddp-amp` next to the interpreter.
+    script = Path(sys.executable).with_name("lightning-ddp-amp")
+    result = subprocess.run([str(script), "env"], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("lightning-ddp-amp 0.1.0 environment report")
