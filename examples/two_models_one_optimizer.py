@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_ddp_amp  # noqa: F401  (registers "envddp" and the "apex-O*" / "amp-O*" precision values)
+from lightning_ddp_amp import AmpPrecision  # importing the package registers "envddp", "apex-O*" and "amp-O*"
 
 
 class Encoder(torch.nn.Module):
@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--precision", default="amp-O1", help="apex-O0..O3, amp-O0..O3 or any Lightning value")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--epochs", type=int, default=2)
+    # What `python -m torch.distributed.launch` without --use-env passes; envddp reads it, argparse must accept it.
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = parser.parse_args()
 
     L.seed_everything(0)
@@ -94,11 +96,10 @@ def main() -> None:
     )
     trainer.fit(TwoModels(), loader)
     if trainer.is_global_zero:
-        amp = trainer.precision_plugin
-        print(
-            f"{args.precision}: {amp.backend} amp {amp.opt_level} on {trainer.world_size} rank(s); final loss"
-            f" {trainer.callback_metrics['loss'].item():.4f}"
-        )
+        plugin = trainer.precision_plugin
+        how = f"{plugin.backend} amp {plugin.opt_level}" if isinstance(plugin, AmpPrecision) else trainer.precision
+        loss = trainer.callback_metrics["loss"].item()
+        print(f"{args.precision}: {how} on {trainer.world_size} rank(s); final loss {loss:.4f}")
 
 
 if __name__ == "__main__":

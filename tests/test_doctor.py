@@ -24,7 +24,8 @@ SRUN_RANK_1 = {
     "SLURM_PROCID": "1",
     "SLURM_LOCALID": "1",
     "SLURM_NTASKS": "2",
-    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
     "SLURM_NODEID": "0",
     "SLURM_JOB_NODELIST": "node01",
 }
@@ -76,8 +77,21 @@ def test_report_says_which_launcher_won() -> None:
     data = doctor.report({**SRUN_RANK_1, **TORCHRUN_RANK_1})
     assert data["launcher"]["name"] == "torchrun"
     assert data["launcher"]["topology"]["master_port"] == 29500
-    assert data["launcher"]["ignored"] == ["srun (SLURM_*): torchrun's variables win"]
+    assert data["launcher"]["ignored"] == ["srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS): torchrun's variables win"]
     assert data["launcher"]["variables"]["SLURM_PROCID"] == "1"
+
+
+def test_slurm_job_variables_without_srun_are_explained() -> None:
+    batch_script = {k: v for k, v in SRUN_RANK_1.items() if not k.startswith("SLURM_STEP_")}
+    launcher = doctor.report(batch_script)["launcher"]
+    assert launcher["name"] == "none"
+    (ignored,) = launcher["ignored"]
+    assert ignored.startswith("SLURM's job variables (SLURM_NTASKS without srun's SLURM_STEP_NUM_TASKS)")
+
+
+def test_other_mpis_are_a_problem() -> None:
+    (problem,) = doctor.report({"PMI_RANK": "1", "PMI_SIZE": "4"})["problems"]
+    assert problem["problem"].startswith("an MPI other than Open MPI started this process")
 
 
 def test_bad_environment_is_a_problem_with_its_fix_and_exit_status_one() -> None:
@@ -119,6 +133,18 @@ def test_pypi_apex_is_named_as_the_impostor(monkeypatch: pytest.MonkeyPatch, tmp
     (problem,) = problems
     assert "is not NVIDIA apex (the apex on PyPI is a web toolkit)" in problem["problem"]
     assert problem["fix"].startswith("pip uninstall apex, then build NVIDIA apex 25.05 or older from source")
+
+
+def test_a_directory_named_apex_on_the_path_is_not_taken_for_an_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Running next to a clone of NVIDIA/apex: the clone's folder is a namespace package called apex.
+    root = fake_apex(tmp_path, {"apex/setup.py": "", "apex/apex/__init__.py": ""})
+    apex, problems = apex_report(monkeypatch, root)
+    assert apex["nvidia"] is False
+    (problem,) = problems
+    assert "which is not an installed package (a source checkout on the path?)" in problem["problem"]
+    assert problem["fix"].startswith("run from another directory")
 
 
 def test_apex_after_25_05_has_no_amp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

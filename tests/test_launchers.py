@@ -7,27 +7,42 @@ import pytest
 from lightning_ddp_amp import LauncherEnvironmentError, Topology, read_topology
 from lightning_ddp_amp.environment import check_rank_variables, detect_launcher
 
-# `srun --nodes=2 --ntasks-per-node=2 python train.py`: the task with global rank 3, on the second node.
+# `srun --nodes=2 --ntasks-per-node=2 python train.py` in a job that asked for 4 nodes of 4 tasks: the task with
+# global rank 3, on the second node. The job's variables (SLURM_NTASKS, SLURM_NTASKS_PER_NODE, ...) describe the
+# allocation; the step's (SLURM_STEP_*) describe this srun.
 SRUN_RANK_3_OF_4 = {
     "SLURM_JOB_ID": "4711234",
     "SLURM_JOB_NAME": "train",
     "SLURM_PROCID": "3",
     "SLURM_LOCALID": "1",
-    "SLURM_NTASKS": "4",
+    "SLURM_NTASKS": "16",
+    "SLURM_STEP_NUM_TASKS": "4",
     "SLURM_NODEID": "1",
+    "SLURM_NTASKS_PER_NODE": "4",
+    "SLURM_TASKS_PER_NODE": "4(x4)",
     "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-    "SLURM_TASKS_PER_NODE": "2(x2)",
-    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NODELIST": "gpu[05-08]",
     "SLURM_STEP_NODELIST": "gpu[07-08]",
 }
-# `mpirun -np 4 --map-by ppr:2:node -x MASTER_ADDR=node0 python train.py`: global rank 2.
-MPIRUN_RANK_2_OF_4 = {
-    "OMPI_COMM_WORLD_RANK": "2",
-    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+# `mpirun -np 4 --map-by ppr:2:node -x MASTER_ADDR=node0 python train.py`: global rank 3, the second process on
+# the second node. OMPI_COMM_WORLD_NODE_RANK is a per-node process rank (across all jobs), not the node's index.
+MPIRUN_RANK_3_OF_4 = {
+    "OMPI_COMM_WORLD_RANK": "3",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
     "OMPI_COMM_WORLD_SIZE": "4",
     "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
     "OMPI_COMM_WORLD_NODE_RANK": "1",
     "MASTER_ADDR": "node0",
+}
+# The batch script of `sbatch --ntasks=4`, or `salloc -n4`'s shell: SLURM's job variables, but no srun step.
+SBATCH_SCRIPT = {
+    "SLURM_JOB_ID": "200505",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_NODEID": "0",
+    "SLURM_TASKS_PER_NODE": "1(x4)",
+    "SLURM_JOB_NODELIST": "gnode[10,20,25,37]",
 }
 TORCHRUN_RANK_0_OF_2 = {
     "RANK": "0",
@@ -40,7 +55,7 @@ TORCHRUN_RANK_0_OF_2 = {
 }
 
 
-def test_srun_topology_with_rank_zero_on_the_first_host_and_lightnings_port() -> None:
+def test_srun_topology_comes_from_the_step_with_rank_zero_on_its_first_host_and_lightnings_port() -> None:
     assert read_topology(SRUN_RANK_3_OF_4, []) == Topology(
         rank=3,
         local_rank=1,
@@ -58,11 +73,22 @@ def test_srun_honours_master_address_and_port_when_set() -> None:
     assert (topology.master_addr, topology.master_port) == ("10.1.1.1", 23456)
 
 
-@pytest.mark.parametrize("name", ["SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"])
-def test_srun_tasks_per_node_come_from_any_of_slurms_variables(name: str) -> None:
-    env = {k: v for k, v in SRUN_RANK_3_OF_4.items() if "TASKS_PER_NODE" not in k}
-    env[name] = "2" if name == "SLURM_NTASKS_PER_NODE" else "2,2"
-    assert read_topology(env, []).local_world_size == 2
+@pytest.mark.parametrize("name", ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"])
+def test_srun_tasks_per_node_fall_back_through_slurms_variables(name: str) -> None:
+    # Without the step's layout, the job's is read; every other candidate says something else (4 per node).
+    names = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"]
+    env = {k: v for k, v in SRUN_RANK_3_OF_4.items() if k not in names[: names.index(name)]}
+    env[name] = "2,2" if name != "SLURM_NTASKS_PER_NODE" else "2"
+    topology = read_topology(env, [])
+    assert (topology.local_world_size, topology.num_nodes) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "first"),
+    [("gpu[07-09,12],cpu01", "gpu07"), ("rack[1-2]-node[01-04]", "rack1-node01"), ("a01 a02", "a01"), ("n7", "n7")],
+)
+def test_rank_zero_is_on_the_first_host_of_slurms_node_list(nodes: str, first: str) -> None:
+    assert read_topology({**SRUN_RANK_3_OF_4, "SLURM_STEP_NODELIST": nodes}, []).master_addr == first
 
 
 def test_srun_node_rank_is_derived_without_slurm_nodeid() -> None:
@@ -70,15 +96,16 @@ def test_srun_node_rank_is_derived_without_slurm_nodeid() -> None:
     assert read_topology(env, []).node_rank == 1
 
 
-def test_interactive_slurm_allocation_is_a_single_process() -> None:
-    # `salloc` then `python train.py`: SLURM's variables describe the allocation, not this process (Lightning's rule).
-    assert read_topology({**SRUN_RANK_3_OF_4, "SLURM_JOB_NAME": "interactive"}, []) == Topology()
+def test_python_in_a_batch_script_or_salloc_shell_is_a_single_process() -> None:
+    # SLURM's job variables describe the allocation; only srun starts ranks. Reading SLURM_NTASKS=4 here would make
+    # rank 0 wait for three peers that never come.
+    assert read_topology(SBATCH_SCRIPT, []) == Topology()
 
 
-def test_mpirun_topology() -> None:
-    assert read_topology(MPIRUN_RANK_2_OF_4, []) == Topology(
-        rank=2,
-        local_rank=0,
+def test_mpirun_topology_with_the_node_from_the_rank() -> None:
+    assert read_topology(MPIRUN_RANK_3_OF_4, []) == Topology(
+        rank=3,
+        local_rank=1,
         world_size=4,
         local_world_size=2,
         node_rank=1,
@@ -94,6 +121,7 @@ def test_mpirun_on_one_node_meets_on_the_loopback() -> None:
         "OMPI_COMM_WORLD_LOCAL_RANK": "1",
         "OMPI_COMM_WORLD_SIZE": "2",
         "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_COMM_WORLD_NODE_RANK": "1",  # this process's rank on the node, not the node's index
     }
     topology = read_topology(env, [])
     assert (topology.master_addr, topology.master_port, topology.node_rank) == ("127.0.0.1", 29500, 0)
@@ -103,11 +131,13 @@ def test_mpirun_on_one_node_meets_on_the_loopback() -> None:
     ("env", "expected"),
     [
         ({**SRUN_RANK_3_OF_4, **TORCHRUN_RANK_0_OF_2}, "torchrun"),
-        ({**MPIRUN_RANK_2_OF_4, **TORCHRUN_RANK_0_OF_2}, "torchrun"),
-        ({**MPIRUN_RANK_2_OF_4, **SRUN_RANK_3_OF_4}, "srun"),
+        ({**MPIRUN_RANK_3_OF_4, **TORCHRUN_RANK_0_OF_2}, "torchrun"),
+        ({**SRUN_RANK_3_OF_4, **MPIRUN_RANK_3_OF_4}, "mpirun"),
+        ({**SBATCH_SCRIPT, **SRUN_RANK_3_OF_4}, "srun"),
     ],
 )
-def test_torchruns_variables_win_then_sruns(env: dict[str, str], expected: str) -> None:
+def test_the_launcher_closest_to_the_process_wins(env: dict[str, str], expected: str) -> None:
+    # torchrun started by srun; mpirun inside a SLURM job (each rank also carries SLURM's variables).
     assert detect_launcher(env, []) == expected
     assert read_topology(env, []).launcher == expected
 
@@ -120,10 +150,10 @@ def test_torchrun_started_by_srun_on_every_node_reads_torchruns_ranks() -> None:
 @pytest.mark.parametrize(
     ("base", "change", "field", "words"),
     [
-        (SRUN_RANK_3_OF_4, {"SLURM_PROCID": "4"}, "SLURM_PROCID", "must be below SLURM_NTASKS=4"),
-        (SRUN_RANK_3_OF_4, {"SLURM_PROCID": None}, "SLURM_PROCID", "it is not set"),
+        (SRUN_RANK_3_OF_4, {"SLURM_PROCID": "4"}, "SLURM_PROCID", "must be below SLURM_STEP_NUM_TASKS=4"),
+        (SRUN_RANK_3_OF_4, {"SLURM_LOCALID": None}, "SLURM_LOCALID", "it is not set, although SLURM_PROCID, SLURM"),
         (SRUN_RANK_3_OF_4, {"SLURM_LOCALID": "2"}, "SLURM_LOCALID", "must be below SLURM_STEP_TASKS_PER_NODE=2"),
-        (SRUN_RANK_3_OF_4, {"SLURM_NTASKS": "four"}, "SLURM_NTASKS", "not an integer"),
+        (SRUN_RANK_3_OF_4, {"SLURM_STEP_NUM_TASKS": "four"}, "SLURM_STEP_NUM_TASKS", "not an integer"),
         (
             SRUN_RANK_3_OF_4,
             {"SLURM_STEP_TASKS_PER_NODE": "3,1"},
@@ -140,15 +170,16 @@ def test_torchrun_started_by_srun_on_every_node_reads_torchruns_ranks() -> None:
             "not set",
         ),
         (SRUN_RANK_3_OF_4, {"SLURM_JOB_ID": None}, "MASTER_PORT", "not set"),
-        (MPIRUN_RANK_2_OF_4, {"OMPI_COMM_WORLD_RANK": "-1"}, "OMPI_COMM_WORLD_RANK", "at least 0"),
-        (MPIRUN_RANK_2_OF_4, {"OMPI_COMM_WORLD_LOCAL_RANK": None}, "OMPI_COMM_WORLD_LOCAL_RANK", "not set"),
+        (MPIRUN_RANK_3_OF_4, {"OMPI_COMM_WORLD_RANK": "-1"}, "OMPI_COMM_WORLD_RANK", "at least 0"),
+        (MPIRUN_RANK_3_OF_4, {"OMPI_COMM_WORLD_LOCAL_RANK": None}, "OMPI_COMM_WORLD_LOCAL_RANK", "not set"),
+        (MPIRUN_RANK_3_OF_4, {"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, "OMPI_COMM_WORLD_LOCAL_RANK", "below OMPI_COMM_W"),
         (
-            MPIRUN_RANK_2_OF_4,
+            MPIRUN_RANK_3_OF_4,
             {"OMPI_COMM_WORLD_LOCAL_SIZE": "3"},
             "OMPI_COMM_WORLD_LOCAL_SIZE",
             "whole number of nodes",
         ),
-        (MPIRUN_RANK_2_OF_4, {"MASTER_ADDR": None}, "MASTER_ADDR", "not set"),
+        (MPIRUN_RANK_3_OF_4, {"MASTER_ADDR": None}, "MASTER_ADDR", "not set"),
     ],
 )
 def test_bad_srun_or_mpirun_environment_names_the_variable(
@@ -164,7 +195,7 @@ def test_bad_srun_or_mpirun_environment_names_the_variable(
 
 
 def test_mpirun_across_nodes_says_how_to_pass_the_address() -> None:
-    env = {k: v for k, v in MPIRUN_RANK_2_OF_4.items() if k != "MASTER_ADDR"}
+    env = {k: v for k, v in MPIRUN_RANK_3_OF_4.items() if k != "MASTER_ADDR"}
     with pytest.raises(LauncherEnvironmentError, match=r"mpirun -x MASTER_ADDR=<host of rank 0>"):
         read_topology(env, [])
 
@@ -179,6 +210,6 @@ def test_lightning_cluster_environment_detects_srun_and_mpirun(monkeypatch: pyte
     from lightning_ddp_amp import LauncherEnvironment
 
     assert not LauncherEnvironment.detect()
-    for name, value in MPIRUN_RANK_2_OF_4.items():
+    for name, value in MPIRUN_RANK_3_OF_4.items():
         monkeypatch.setenv(name, value)
     assert LauncherEnvironment.detect()

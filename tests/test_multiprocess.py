@@ -179,23 +179,28 @@ def free_slurm_job_id() -> str:
 
 
 def simulated_launcher(launcher: str, rank: int, job_id: str, port: int) -> dict[str, str]:
-    """What `srun --ntasks-per-node=2` or `mpirun -np 2 -x MASTER_PORT` exports to rank `rank` of a one-node job."""
+    """What `srun --nodes=2 --ntasks-per-node=1` or `mpirun -np 2 -x MASTER_PORT` (one node) exports to `rank`."""
     if launcher == "srun":
+        # Two "nodes" of one task each, both 127.0.0.1, inside a bigger allocation (the job's variables differ).
         return {
             "SLURM_JOB_ID": job_id,
             "SLURM_JOB_NAME": "train",
             "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank),
-            "SLURM_NTASKS": "2",
-            "SLURM_NODEID": "0",
-            "SLURM_STEP_TASKS_PER_NODE": "2",
-            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": str(rank),
+            "SLURM_NTASKS": "8",
+            "SLURM_NTASKS_PER_NODE": "4",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_NODELIST": "127.0.0.1,127.0.0.2",
+            "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2",
         }
     return {
         "OMPI_COMM_WORLD_RANK": str(rank),
         "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
         "OMPI_COMM_WORLD_SIZE": "2",
         "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_COMM_WORLD_NODE_RANK": str(rank),
         "MASTER_PORT": str(port),
     }
 
@@ -217,7 +222,10 @@ def test_srun_and_mpirun_ranks_end_with_the_recipes_weights(recipe: Path, launch
     for process in ranks:
         check(finish(process, timeout=240))
     seen = {(r["rank"], r["local_rank"], r["node_rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
-    assert seen == {(0, 0, 0, 2, launcher), (1, 1, 0, 2, launcher)}
+    if launcher == "srun":
+        assert seen == {(0, 0, 0, 2, "srun"), (1, 0, 1, 2, "srun")}
+    else:
+        assert seen == {(0, 0, 0, 2, "mpirun"), (1, 1, 0, 2, "mpirun")}
     assert max_abs_difference(weights(recipe), weights(tmp_path)) <= TOLERANCE
 
 

@@ -35,6 +35,7 @@ from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import (
     LAUNCHER_VARIABLES,
     MPIRUN_VARIABLES,
+    SRUN_VARIABLES,
     Topology,
     detect_launcher,
     read_topology,
@@ -49,8 +50,19 @@ APEX_EXTENSIONS = {
     "fused_layer_norm_cuda": "apex.normalization.FusedLayerNorm",
 }
 _APEX_TIMEOUT_S = 120
+# Ranks exported by MPI implementations other than Open MPI (MPICH, Intel MPI, MVAPICH), which envddp does not read.
+_OTHER_MPI = ("PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")
 # The environment a launcher leaves, shown as is so that a report can be compared across ranks.
-_SHOWN_PREFIXES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_JOB_ID", "OMPI_COMM_WORLD")
+_SHOWN_PREFIXES = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_NODEID",
+    "SLURM_JOB_ID",
+    "OMPI_COMM_WORLD",
+    *_OTHER_MPI,
+)
 _SHOWN = (
     *LAUNCHER_VARIABLES,
     "LOCAL_WORLD_SIZE",
@@ -117,6 +129,16 @@ def _launcher(
     ignored = _ignored_launchers(env, topology.launcher)
     if ignored:
         section["ignored"] = ignored
+    other_mpi_size = next((env[n].strip() for n in ("PMI_SIZE", "MV2_COMM_WORLD_SIZE") if n in env), "1")
+    if topology.launcher == "none" and other_mpi_size != "1":
+        problems.append(
+            {
+                "problem": "an MPI other than Open MPI started this process (PMI_* / MV2_* variables), which envddp"
+                " does not read, so every process would train alone",
+                "fix": "launch with torchrun, srun or Open MPI's mpirun, or export RANK, LOCAL_RANK, WORLD_SIZE,"
+                " LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process",
+            }
+        )
     section["topology"] = {
         "rank": topology.rank,
         "local_rank": topology.local_rank,
@@ -131,11 +153,17 @@ def _launcher(
 
 
 def _ignored_launchers(env: Mapping[str, str], used: str) -> list[str]:
+    """Other launchers' variables in this environment, and why they were not read."""
     found = []
-    if used not in ("srun", "none") and "SLURM_NTASKS" in env:
-        found.append("srun (SLURM_*): torchrun's variables win")
-    if used not in ("mpirun", "none") and any(name in env for name in MPIRUN_VARIABLES):
-        found.append("mpirun (OMPI_COMM_WORLD_*): " + ("SLURM's" if used == "srun" else "torchrun's") + " win")
+    if used in ("torchrun", "environment", "torch.distributed.launch") and any(n in env for n in MPIRUN_VARIABLES):
+        found.append("mpirun (OMPI_COMM_WORLD_*): torchrun's variables win")
+    if used != "srun" and all(name in env for name in SRUN_VARIABLES):
+        found.append(f"srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS): {used}'s variables win")
+    elif used != "srun" and "SLURM_NTASKS" in env:
+        found.append(
+            "SLURM's job variables (SLURM_NTASKS without srun's SLURM_STEP_NUM_TASKS): the batch script or salloc's"
+            " shell, not a task srun started; start one task per rank with `srun`"
+        )
     return found
 
 
@@ -248,6 +276,18 @@ def _apex(problems: list[dict[str, str]]) -> dict[str, Any]:
         }
     root = Path(next(iter(spec.submodule_search_locations)))
     section: dict[str, Any] = {"installed": True, "location": str(root), "version": _distribution_version("apex")}
+    if spec.origin in (None, "namespace"):
+        # A directory named apex without __init__.py, found on the path: typically the folder holding a clone of
+        # NVIDIA/apex, when the command runs next to it.
+        section["nvidia"] = False
+        problems.append(
+            {
+                "problem": f"'apex' resolves to the directory {root}, which is not an installed package (a source"
+                " checkout on the path?) and shadows any installed apex",
+                "fix": "run from another directory, or install NVIDIA apex: " + APEX_INSTALL,
+            }
+        )
+        return section
     if "IS_TEST_DOUBLE = True" in _read(root / "__init__.py"):
         section["test_double"] = True
     if not any((root / sub).is_dir() for sub in ("amp", "parallel", "optimizers", "normalization")):

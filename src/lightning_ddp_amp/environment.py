@@ -3,10 +3,11 @@
 torchrun (any ``--nnodes``) and ``python -m torch.distributed.launch --use_env`` export RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT. Without ``--use_env`` the old launcher
 passes the local rank as ``--local-rank=N`` (``--local_rank N`` before torch 2.0) on the command line instead.
-``srun`` exports SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the tasks per node, SLURM_NODEID and the node list;
-Open MPI's ``mpirun`` exports OMPI_COMM_WORLD_RANK, _LOCAL_RANK, _SIZE and _LOCAL_SIZE. torchrun's variables win
-when several launchers' are present (torchrun started by ``srun`` on every node, for instance). No launcher
-variables at all means a plain ``python train.py``: one process, world size 1.
+``srun`` exports SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NUM_TASKS, the tasks per node, SLURM_NODEID and the node
+list; Open MPI's ``mpirun`` exports OMPI_COMM_WORLD_RANK, _LOCAL_RANK, _SIZE and _LOCAL_SIZE. When several
+launchers' variables are present, the one closest to the process wins: torchrun's (torchrun started by ``srun`` on
+every node), then mpirun's (``mpirun`` inside a SLURM job), then srun's. No launcher variables at all means a plain
+``python train.py``: one process, world size 1.
 
 Everything is checked here, before any network call, so a bad value stops the process at once with a message
 that names the variable, its value and the fix. This module imports nothing from Lightning, so the package can
@@ -40,9 +41,13 @@ DEFAULT_MASTER_PORT = 29500
 _LAUNCH_HINT = "launch with `torchrun --nproc-per-node=N train.py`, which sets every launcher variable for you"
 _SRUN_HINT = "launch with `srun --ntasks-per-node=N python train.py`, which sets every SLURM variable for you"
 _MPIRUN_HINT = "launch with `mpirun -np N -x MASTER_ADDR -x MASTER_PORT python train.py`"
+#: srun's own variables: present in the tasks srun starts, absent from the batch script and from `salloc`'s shell.
+SRUN_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
 _SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_FIRST_OF_RANGE = re.compile(r"\[([^\]\-,]+)[^\]]*\]")
 _SLURM_COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
-_SLURM_TASKS_PER_NODE = ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+# The step's real layout first; SLURM_NTASKS_PER_NODE is what the job asked for, inherited from sbatch.
+_SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
 
 
 @dataclass(frozen=True)
@@ -95,17 +100,13 @@ def detect_launcher(environ: Mapping[str, str] | None = None, argv: Sequence[str
         return "torch.distributed.launch"
     if any(name in env for name in LAUNCHER_VARIABLES):
         return "torchrun" if "TORCHELASTIC_RUN_ID" in env else "environment"
-    if _srun_used(env):
-        return "srun"
     if any(name in env for name in MPIRUN_VARIABLES):
         return "mpirun"
+    if all(name in env for name in SRUN_VARIABLES):
+        # Not SLURM_NTASKS alone: the batch script and `salloc`'s shell export it too, and a `python train.py`
+        # run there is one process, not rank 0 of SLURM_NTASKS.
+        return "srun"
     return "none"
-
-
-def _srun_used(env: Mapping[str, str]) -> bool:
-    # Lightning's rule (SLURMEnvironment.detect): an interactive allocation (`salloc`, job name "bash" or
-    # "interactive") exports SLURM_NTASKS too, but its shell's `python train.py` is one process.
-    return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
 def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> Topology:
@@ -168,12 +169,12 @@ def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] 
 
 
 def _read_srun(env: Mapping[str, str]) -> Topology:
-    world_size = _required_int(env, "SLURM_NTASKS", _SRUN_HINT, minimum=1)
-    rank = _required_int(env, "SLURM_PROCID", _SRUN_HINT, minimum=0, below=(world_size, "SLURM_NTASKS"))
+    world_size = _required_int(env, "SLURM_STEP_NUM_TASKS", _SRUN_HINT, minimum=1)
+    rank = _required_int(env, "SLURM_PROCID", _SRUN_HINT, minimum=0, below=(world_size, "SLURM_STEP_NUM_TASKS"))
     local_world_size, per_node_name = _slurm_tasks_per_node(env)
     _check_whole_nodes(
         world_size,
-        ("SLURM_NTASKS", per_node_name),
+        ("SLURM_STEP_NUM_TASKS", per_node_name),
         local_world_size,
         "run the same number of tasks on every node (`srun --ntasks-per-node=N`)",
     )
@@ -217,9 +218,9 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> tuple[int, str]:
             )
         return counts[0], name
     raise LauncherEnvironmentError(
-        "SLURM_NTASKS_PER_NODE",
+        "SLURM_STEP_TASKS_PER_NODE",
         None,
-        "neither it nor SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE is set",
+        "neither it nor SLURM_TASKS_PER_NODE / SLURM_NTASKS_PER_NODE is set",
         _SRUN_HINT,
     )
 
@@ -238,10 +239,17 @@ def _expand_slurm_counts(name: str, raw: str) -> list[int]:
 
 
 def _first_slurm_host(nodes: str) -> str:
-    # The host of rank 0: the first of the node list ("node[07-09,12]" -> "node07"), exactly as Lightning picks it.
-    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    """The host of rank 0: the first of SLURM's compressed node list.
 
-    return SLURMEnvironment.resolve_root_node_address(nodes.strip())
+    ``"gpu[07-09,12],cpu01"`` -> ``"gpu07"``; ``"rack[1-2]-node[01-04]"`` -> ``"rack1-node01"`` (zero padding kept).
+    """
+    depth, end = 0, len(nodes)
+    for index, char in enumerate(nodes):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth == 0 and char in ", ":
+            end = index
+            break
+    return _FIRST_OF_RANGE.sub(r"\1", nodes[:end].strip())
 
 
 def _read_mpirun(env: Mapping[str, str]) -> Topology:
@@ -264,9 +272,8 @@ def _read_mpirun(env: Mapping[str, str]) -> Topology:
         below=(local_world_size, "OMPI_COMM_WORLD_LOCAL_SIZE"),
     )
     num_nodes = world_size // local_world_size
-    node_rank = _read_int(
-        env, "OMPI_COMM_WORLD_NODE_RANK", minimum=0, below=(num_nodes, "the number of nodes"), hint=_MPIRUN_HINT
-    )
+    # Not OMPI_COMM_WORLD_NODE_RANK: Open MPI defines it as the process's rank on its node across all jobs, not
+    # the node's index. Ranks are laid out by node (`--map-by ppr:N:node`), so the node is rank // per-node count.
     # mpirun exports no rendezvous address: one node can meet on the loopback, several need MASTER_ADDR.
     master_addr, master_port = _master(
         env,
@@ -280,7 +287,7 @@ def _read_mpirun(env: Mapping[str, str]) -> Topology:
         local_rank=local_rank,
         world_size=world_size,
         local_world_size=local_world_size,
-        node_rank=rank // local_world_size if node_rank is None else node_rank,
+        node_rank=rank // local_world_size,
         master_addr=master_addr,
         master_port=master_port,
         launcher="mpirun",
@@ -329,8 +336,8 @@ def _required_int(
 ) -> int:
     value = _read_int(env, name, minimum=minimum, below=below, hint=hint)
     if value is None:
-        launcher_set = ", ".join(sorted(key for key in env if key.startswith(name.split("_")[0] + "_")))
-        raise LauncherEnvironmentError(name, None, f"it is not set, although {launcher_set} are", hint)
+        seen = [key for key in (*SRUN_VARIABLES, "SLURM_LOCALID", *MPIRUN_VARIABLES) if key in env]
+        raise LauncherEnvironmentError(name, None, f"it is not set, although {', '.join(seen)} are", hint)
     return value
 
 
