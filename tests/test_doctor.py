@@ -81,6 +81,12 @@ def test_report_says_which_launcher_won() -> None:
     assert data["launcher"]["variables"]["SLURM_PROCID"] == "1"
 
 
+def test_report_says_when_the_ranks_were_self_launched() -> None:
+    env = {**TORCHRUN_RANK_1, "LIGHTNING_DDP_AMP_SELF_LAUNCHED": "1"}
+    assert doctor.report(env)["launcher"]["decision"].startswith("self-launched: envddp started 2 rank(s) on 1 node")
+    assert doctor.report(TORCHRUN_RANK_1)["launcher"]["decision"].startswith("launched externally by torchrun")
+
+
 def test_slurm_job_variables_without_srun_are_explained() -> None:
     batch_script = {k: v for k, v in SRUN_RANK_1.items() if not k.startswith("SLURM_STEP_")}
     launcher = doctor.report(batch_script)["launcher"]

@@ -55,6 +55,14 @@ def run(torchrun: Torchrun, out: Path, *args: str, **kwargs: Any) -> subprocess.
     return check(torchrun.run(SCRIPT, "--out", str(out), *args, timeout=240, **kwargs))
 
 
+def run_plain(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python train_faults.py ...` with no launcher: with --devices 2 the strategy starts the ranks itself."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, SCRIPT, "--out", str(out), *args]
+    process = subprocess.Popen(command, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return finish(process, timeout=240)
+
+
 def start_ranks_by_hand(out: Path, *args: str, ranks: tuple[int, ...] = (0, 1)) -> list[subprocess.Popen[str]]:
     """Start ranks as plain processes with the launcher variables set: no torchrun to supervise them."""
     out.mkdir(parents=True, exist_ok=True)
@@ -140,6 +148,24 @@ def test_apex_restart_restores_the_amp_state(torchrun: Torchrun, runs: Path) -> 
     assert (report(out)["attempt"], report(out)["started_at_step"]) == (1, 9)
     assert report(out)["precision_state"] == report(baseline)["precision_state"]
     assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
+
+
+def test_self_launched_ranks_restart_with_max_restarts_and_end_with_the_uninterrupted_weights(
+    uninterrupted: Path, runs: Path
+) -> None:
+    # `python train.py` with devices=2 and EnvDDPStrategy(max_restarts=1): the same recovery as under torchrun.
+    out = runs / "self-launched-killed"
+    args = ("--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "7", "--devices", "2")
+    check(run_plain(out, *args, "--max-restarts", "1"))
+    assert (report(out, 1)["attempt"], report(out, 1)["started_at_step"]) == (1, 6)
+    assert max_abs_difference(weights(uninterrupted), weights(out)) <= 1e-6
+
+
+def test_self_launch_without_restarts_exits_with_the_failed_ranks_status(runs: Path) -> None:
+    out = runs / "self-launched-dead"
+    result = run_plain(out, "--kill-rank", "1", "--kill-at-step", "3", "--devices", "2")
+    assert result.returncode == 128 + 9, result.stdout[-3000:]  # SIGKILL, as a shell reports it
+    assert "exitcode  : -9 (pid:" in result.stdout
 
 
 # --- preemption -----------------------------------------------------------------------------------------------

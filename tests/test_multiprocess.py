@@ -229,6 +229,23 @@ def test_srun_and_mpirun_ranks_end_with_the_recipes_weights(recipe: Path, launch
     assert max_abs_difference(weights(recipe), weights(tmp_path)) <= TOLERANCE
 
 
+def test_plain_python_with_two_devices_starts_its_own_ranks_and_ends_with_the_recipes_weights(
+    recipe: Path, tmp_path: Path
+) -> None:
+    # `python train.py` with Trainer(devices=2): torchrun's engine re-runs the script on 2 ranks.
+    command = [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"]
+    process = subprocess.Popen(
+        [*command, "--devices", "2"], env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    result = check(finish(process, timeout=240))
+    started = f"starting the ranks as `torchrun --standalone --nproc-per-node=2 --max-restarts=0 {command[1]} --out"
+    assert started in result.stdout
+    assert result.stdout.count("starting the ranks as") == 1  # the ranks do not start ranks again
+    seen = {(r["rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
+    assert seen == {(0, 2, "self-launch"), (1, 2, "self-launch")}
+    assert max_abs_difference(weights(recipe), weights(tmp_path)) <= TOLERANCE
+
+
 def test_plain_python_trains_as_one_process(tmp_path: Path) -> None:
     import subprocess
     import sys

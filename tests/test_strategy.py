@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -9,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import worker_env
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -93,12 +96,35 @@ def test_explicit_num_nodes_contradicting_the_launcher_name_both(two_ranks: None
         trainer(strategy="envddp", num_nodes=2)
 
 
-def test_devices_without_a_launcher_says_how_to_launch() -> None:
-    with pytest.raises(TopologyMismatchError) as raised:
-        trainer(strategy="envddp", devices=2)
-    message = str(raised.value)
-    assert message.startswith("devices=2: no launcher started this process")
-    assert "torchrun --nproc-per-node=2 train.py" in message
+def test_devices_without_a_launcher_outside_a_script_says_how_to_launch() -> None:
+    # Self-launch re-runs the script; `python -c` (like a notebook) has none, so it is an error naming the fix.
+    code = "import lightning as L, lightning_ddp_amp; L.Trainer(strategy='envddp', devices=2, accelerator='cpu')"
+    result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "StrategyConfigurationError: devices='N > 1': envddp starts the ranks by running this script again" in (
+        result.stderr
+    )
+    assert "`torchrun --nproc-per-node=N train.py`" in result.stderr
+
+
+def test_one_device_without_a_launcher_trains_alone() -> None:
+    t = trainer(strategy="envddp", devices=1)
+    assert (t.world_size, t.num_devices) == (1, 1)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "3"])
+def test_max_restarts_must_be_a_whole_number(value: object) -> None:
+    with pytest.raises(StrategyConfigurationError, match=rf"^max_restarts={value!r}: it must be a whole number"):
+        EnvDDPStrategy(max_restarts=value)  # type: ignore[arg-type]
+
+
+def test_max_restarts_under_an_external_launcher_says_where_they_belong(
+    two_ranks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "0")  # the warning comes from rank 0 only
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.warns(UserWarning, match=r"max_restarts=2\) only applies when envddp starts the ranks itself"):
+        trainer(strategy=EnvDDPStrategy(max_restarts=2))
 
 
 def test_exact_eval_needs_the_strategy_to_shard() -> None:

@@ -121,11 +121,7 @@ def _launcher(
         problems.append({"problem": f"{error.field}={error.value!r}: {error.problem}", "fix": error.fix})
         section["error"] = str(error)
         return section, None
-    section["decision"] = (
-        "single process: no launcher variables, so one process trains alone on the default device"
-        if topology.launcher == "none"
-        else f"launched externally by {topology.launcher}: {topology.world_size} rank(s) on {topology.num_nodes} node(s)"
-    )
+    section["decision"] = _decision(topology)
     ignored = _ignored_launchers(env, topology.launcher)
     if ignored:
         section["ignored"] = ignored
@@ -150,6 +146,19 @@ def _launcher(
         "master_port": topology.master_port,
     }
     return section, topology
+
+
+def _decision(topology: Topology) -> str:
+    """Launched externally, self-launched, or a single process: what envddp does with this environment."""
+    ranks = f"{topology.world_size} rank(s) on {topology.num_nodes} node(s)"
+    if topology.launcher == "none":
+        return (
+            "single process: no launcher variables, so one process trains on the default device;"
+            ' Trainer(strategy="envddp", devices=N) with N > 1 would start N ranks itself through torchrun'
+        )
+    if topology.launcher == "self-launch":
+        return f"self-launched: envddp started {ranks} through torchrun from a plain `python` run"
+    return f"launched externally by {topology.launcher}: {ranks}"
 
 
 def _ignored_launchers(env: Mapping[str, str], used: str) -> list[str]:

@@ -38,6 +38,9 @@ MPIRUN_VARIABLES = (
 SLURM_BASE_PORT = 15000
 DEFAULT_MASTER_PORT = 29500
 
+#: Set by EnvDDPStrategy for the ranks it starts itself (:mod:`lightning_ddp_amp.selflaunch`).
+SELF_LAUNCH_VARIABLE = "LIGHTNING_DDP_AMP_SELF_LAUNCHED"
+
 _LAUNCH_HINT = "launch with `torchrun --nproc-per-node=N train.py`, which sets every launcher variable for you"
 _SRUN_HINT = "launch with `srun --ntasks-per-node=N python train.py`, which sets every SLURM variable for you"
 _MPIRUN_HINT = "launch with `mpirun -np N -x MASTER_ADDR -x MASTER_PORT python train.py`"
@@ -62,8 +65,9 @@ class Topology:
         node_rank: Index of this node, 0 ≤ node_rank < num_nodes.
         master_addr: Address of rank 0's rendezvous store (None for a single process).
         master_port: Port of rank 0's rendezvous store (None for a single process).
-        launcher: What started the process: ``"torchrun"``, ``"torch.distributed.launch"``, ``"srun"``,
-            ``"mpirun"``, ``"environment"`` (torchrun's variables set by hand or another tool) or ``"none"``.
+        launcher: What started the process: ``"torchrun"``, ``"self-launch"`` (torchrun, started by the strategy
+            from a plain ``python train.py``), ``"torch.distributed.launch"``, ``"srun"``, ``"mpirun"``,
+            ``"environment"`` (torchrun's variables set by hand or another tool) or ``"none"``.
     """
 
     rank: int = 0
@@ -89,8 +93,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None, argv: Sequence[str
     """Which launcher's variables :func:`read_topology` reads, without validating them.
 
     Returns:
-        ``"torch.distributed.launch"`` (``--local-rank`` on the command line), ``"torchrun"`` or
-        ``"environment"`` (RANK / LOCAL_RANK / WORLD_SIZE present), ``"srun"``, ``"mpirun"``, or ``"none"``.
+        ``"torch.distributed.launch"`` (``--local-rank`` on the command line), ``"torchrun"``, ``"self-launch"``
+        (torchrun started by EnvDDPStrategy itself) or ``"environment"`` (RANK / LOCAL_RANK / WORLD_SIZE set by
+        hand), ``"mpirun"``, ``"srun"``, or ``"none"``.
 
     Raises:
         LauncherEnvironmentError: ``--local-rank`` is the last argument, with no value.
@@ -99,7 +104,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None, argv: Sequence[str
     if _local_rank_from_argv(sys.argv[1:] if argv is None else argv) is not None:
         return "torch.distributed.launch"
     if any(name in env for name in LAUNCHER_VARIABLES):
-        return "torchrun" if "TORCHELASTIC_RUN_ID" in env else "environment"
+        if "TORCHELASTIC_RUN_ID" not in env:
+            return "environment"
+        return "self-launch" if SELF_LAUNCH_VARIABLE in env else "torchrun"
     if any(name in env for name in MPIRUN_VARIABLES):
         return "mpirun"
     if all(name in env for name in SRUN_VARIABLES):

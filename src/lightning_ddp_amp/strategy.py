@@ -36,7 +36,7 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
+from lightning_ddp_amp import selflaunch
 from lightning_ddp_amp.apex_amp import load_apex_module
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment
 from lightning_ddp_amp.data import explain_loader_state_mismatch, shard_dataloader
@@ -83,9 +84,12 @@ _DDP_DEFAULTS: dict[str, Any] = {
 class EnvDDPStrategy(DDPStrategy):
     """DistributedDataParallel with the topology read from the launcher's environment.
 
-    Launch with ``torchrun`` (or ``python -m torch.distributed.launch --use_env``) and pass
+    Launch with ``torchrun`` (or ``python -m torch.distributed.launch``, ``srun``, ``mpirun``) and pass
     ``Trainer(strategy="envddp")``; ``devices`` and ``num_nodes`` come from the launcher. Without launcher
-    variables the same script trains as one process on the default device, with no process group.
+    variables the same script trains as one process on the default device, with no process group, unless the
+    Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then the
+    strategy starts the N ranks itself through torchrun, re-running the script with the same arguments
+    (:mod:`lightning_ddp_amp.selflaunch`).
 
     Args:
         accelerator: The accelerator; normally chosen by the Trainer.
@@ -105,6 +109,9 @@ class EnvDDPStrategy(DDPStrategy):
         ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
         ddp_comm_state: The state handed to ``ddp_comm_hook``; None for the process group.
         ddp_comm_wrapper: Wraps ``ddp_comm_hook``, e.g. ``default_hooks.fp16_compress_wrapper``.
+        max_restarts: When the strategy starts the ranks itself, how many times torchrun may restart them after a
+            failure (``torchrun --max-restarts``); with ``auto_resume`` each restart resumes from the newest
+            checkpoint. Under an external launcher, pass ``--max-restarts`` to it instead.
         auto_resume: Survive crashes and preemption (see :mod:`lightning_ddp_amp.resume`): every fit starts from
             the newest checkpoint of the ``ModelCheckpoint`` directory, and SIGTERM saves one before exiting.
         ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
@@ -142,9 +149,15 @@ class EnvDDPStrategy(DDPStrategy):
         exact_eval: bool = False,
         ddp_impl: Literal["torch", "apex"] = "torch",
         auto_resume: bool = False,
+        max_restarts: int = 0,
         **ddp_kwargs: Any,
     ) -> None:
         self._topology = read_topology()
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise StrategyConfigurationError(
+                "max_restarts", max_restarts, "it must be a whole number of restarts, 0 or more", "pass e.g. 3"
+            )
+        self.max_restarts = max_restarts
         requested = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
@@ -246,30 +259,55 @@ class EnvDDPStrategy(DDPStrategy):
                 f"drop num_nodes from the Trainer (envddp reads it from the launcher) or set num_nodes="
                 f"{topology.num_nodes}",
             )
-        if devices == "auto":
-            return
-        assert self.accelerator is not None
-        accelerator = type(self.accelerator)
-        requested = accelerator.get_parallel_devices(accelerator.parse_devices(devices))
-        if len(requested) != topology.local_world_size and topology.launcher == "none":
-            raise TopologyMismatchError(
-                "devices",
-                devices,
-                "no launcher started this process (RANK, LOCAL_RANK and WORLD_SIZE are unset), so it trains alone",
-                f"start one process per device: `torchrun --nproc-per-node={len(requested)} train.py`, or drop devices",
-            )
-        if len(requested) != topology.local_world_size:
-            raise TopologyMismatchError(
-                "devices",
-                devices,
-                f"the launcher started {topology.local_world_size} process(es) on this node"
-                f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
-                f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
-                f"{topology.local_world_size}",
-            )
-        if isinstance(self.accelerator, CUDAAccelerator):
+        requested = self._requested_devices(devices)
+        if topology.launcher == "none":
+            self._launch_or_train_alone(requested)
+        else:
+            if self.max_restarts:
+                rank_zero_warn(
+                    f"EnvDDPStrategy(max_restarts={self.max_restarts}) only applies when envddp starts the ranks"
+                    f" itself; {topology.launcher} started them, so pass the restarts to it (`torchrun"
+                    " --max-restarts=N`)."
+                )
+            if requested is not None and len(requested) != topology.local_world_size:
+                raise TopologyMismatchError(
+                    "devices",
+                    devices,
+                    f"the launcher started {topology.local_world_size} process(es) on this node"
+                    f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
+                    f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
+                    f"{topology.local_world_size}",
+                )
+        if requested is not None and isinstance(self.accelerator, CUDAAccelerator):
             self._requested_cuda_indices = [device.index for device in requested]
             self._devices = None
+
+    def _requested_devices(self, devices: list[int] | str | int) -> list[torch.device] | None:
+        """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
+        if devices == "auto":
+            return None
+        assert self.accelerator is not None
+        accelerator = type(self.accelerator)
+        parallel_devices: list[torch.device] = accelerator.get_parallel_devices(accelerator.parse_devices(devices))
+        return parallel_devices
+
+    def _launch_or_train_alone(self, requested: list[torch.device] | None) -> None:
+        """No launcher started this process: start one rank per device through torchrun, or train alone.
+
+        ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in Lightning).
+        """
+        on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+        count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
+        if count > 1:
+            command = " ".join(selflaunch.torchrun_arguments(count, self.max_restarts, selflaunch.script_command()))
+            rank_zero_info(
+                f"envddp: no launcher variables and {count} devices: starting the ranks as `torchrun {command}`"
+            )
+            selflaunch.launch(count, self.max_restarts)
+        _log_once(
+            f"envddp: no launcher variables, so one process trains on {'cuda' if on_cuda else 'cpu'}"
+            " (Trainer(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
+        )
 
     @override
     def _configure_launcher(self) -> None:
@@ -540,6 +578,16 @@ def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | N
         )
     ddp: type[Module] = load_apex_module("apex.parallel", "ddp_impl", "apex").DistributedDataParallel
     return ddp
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """``rank_zero_info`` once per process: a script that builds several Trainers hears the decision once."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        rank_zero_info(message)
 
 
 def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> None:

@@ -30,6 +30,9 @@ parser.add_argument("--split-batches", action="store_true")
 parser.add_argument("--exact-eval", action="store_true")
 parser.add_argument("--write", action="store_true", help="checkpoint and log through recording doubles")
 parser.add_argument("--accelerator", default="cpu")
+parser.add_argument(
+    "--devices", type=int, default=None, help="Trainer(devices=...); without a launcher, >1 self-launches"
+)
 parser.add_argument("--timeout", type=float, default=1800.0, help="EnvDDPStrategy(timeout=...), seconds")
 args = parser.parse_args()
 out = Path(args.out)
@@ -101,6 +104,7 @@ strategy = EnvDDPStrategy(split_batches=args.split_batches, exact_eval=args.exac
 trainer = L.Trainer(
     strategy=strategy,
     accelerator=args.accelerator,
+    devices=args.devices or "auto",
     max_epochs=args.epochs,
     num_sanity_val_steps=0,
     logger=RecordingLogger(out / "logs") if args.write else False,

@@ -38,6 +38,10 @@ parser.add_argument("--validate", action="store_true", help="validate twice per 
 parser.add_argument("--two-loaders", action="store_true", help="train on two DataLoaders of different lengths")
 parser.add_argument("--start-delay", type=float, default=0.0, help="rank 1 waits this long before it starts")
 parser.add_argument("--timeout", type=float, default=1800.0)
+parser.add_argument(
+    "--devices", type=int, default=None, help="Trainer(devices=...); without a launcher, >1 self-launches"
+)
+parser.add_argument("--max-restarts", type=int, default=0, help="EnvDDPStrategy(max_restarts=...)")
 args = parser.parse_args()
 out = Path(args.out)
 RANK = int(os.environ.get("RANK", "0"))
@@ -108,8 +112,9 @@ plugins: list[Any] = []
 if args.precision == "native-fp16":
     precision, plugins = None, [AmpPrecision(backend="native", max_loss_scale=2.0**10)]
 trainer = L.Trainer(
-    strategy=EnvDDPStrategy(auto_resume=args.auto_resume, timeout=args.timeout),
+    strategy=EnvDDPStrategy(auto_resume=args.auto_resume, timeout=args.timeout, max_restarts=args.max_restarts),
     accelerator="cpu",
+    devices=args.devices or "auto",
     precision=precision,
     plugins=plugins,
     max_epochs=args.epochs,
