@@ -5,8 +5,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH := torch==2.13.0
-# The lowest Lightning release pyproject.toml declares; `make test-lowest` runs the suite against it.
-LOWEST_LIGHTNING := lightning==2.5.0
+# The lowest Lightning release pyproject.toml declares, in both namespaces; `make test-lowest` runs the suite
+# against it.
+LOWEST_LIGHTNING := lightning==2.5.0 pytorch-lightning==2.5.0
 
 .PHONY: demo test test-lowest lint bench
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
@@ -13,6 +14,8 @@ from types import ModuleType
 
 import pytest
 import torch
+
+PACKAGE = "lightning_ddp_amp"
 
 WORKERS = Path(__file__).parent / "workers"
 #: Holds the CPU test double of NVIDIA apex (see doubles/README.md).
@@ -49,8 +52,31 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     rank = getattr(rank_zero_only, "rank", 0)
+    standalone = sys.modules.get("pytorch_lightning.utilities")
+    standalone_rank = getattr(getattr(standalone, "rank_zero_only", None), "rank", 0)
     yield
     rank_zero_only.rank = rank
+    if standalone is not None:
+        standalone.rank_zero_only.rank = standalone_rank
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """Lightning as a user imports it (``lightning.pytorch`` or ``pytorch_lightning``), and this package's plugins
+    for it (``lightning_ddp_amp`` or ``lightning_ddp_amp.pytorch_lightning``)."""
+
+    name: str
+    pl: ModuleType
+    plugins: ModuleType
+
+
+@pytest.fixture(params=["lightning", "pytorch_lightning"])
+def flavour(request: pytest.FixtureRequest) -> Flavour:
+    """Each namespace in turn; the standalone one is skipped when ``pytorch_lightning`` is not installed."""
+    if request.param == "lightning":
+        return Flavour("lightning", importlib.import_module("lightning.pytorch"), importlib.import_module(PACKAGE))
+    pl = pytest.importorskip("pytorch_lightning")
+    return Flavour("pytorch_lightning", pl, importlib.import_module(f"{PACKAGE}.pytorch_lightning"))
 
 
 def _forget_apex(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,6 +66,15 @@ def test_envddp_ends_with_the_recipes_weights(recipe: Path, envddp: Path) -> Non
     assert max_abs_difference(weights(recipe), weights(envddp)) <= TOLERANCE
 
 
+def test_pytorch_lightning_ends_with_the_recipes_weights(recipe: Path, torchrun: Torchrun, tmp_path: Path) -> None:
+    # `import pytorch_lightning as pl`: the standalone package's Trainer, with the plugins built for it.
+    pytest.importorskip("pytorch_lightning")
+    out = launch(torchrun, tmp_path / "out", "train_envddp.py", "--batch-size", "4", "--namespace", "pytorch_lightning")
+    classes = {(r["trainer_class"], r["strategy_class"]) for r in reports(out)}
+    assert classes == {("pytorch_lightning.trainer.trainer.Trainer", "lightning_ddp_amp.pytorch_lightning.strategy.EnvDDPStrategy")}  # fmt: skip
+    assert max_abs_difference(weights(recipe), weights(out)) <= TOLERANCE
+
+
 def test_split_batches_ends_with_the_recipes_weights(recipe: Path, envddp_split: Path) -> None:
     assert {size for r in reports(envddp_split) for size in r["train_batch_sizes"]} == {4}
     assert max_abs_difference(weights(recipe), weights(envddp_split)) <= TOLERANCE

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from conftest import Flavour
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import (
@@ -131,45 +131,54 @@ def test_bad_argument_names_the_field_its_value_and_the_fix(kwargs: dict[str, An
 # --- precision strings ----------------------------------------------------------------------------------------
 
 
+# Each runs against `lightning` and the standalone `pytorch_lightning` (the `flavour` fixture in conftest.py).
+
+
+def flavoured_trainer(flavour: Flavour, **kwargs: Any) -> Any:
+    return flavour.pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **kwargs)
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
-def test_amp_strings_resolve_to_amp_precision(level: str, no_apex: None) -> None:
-    plugin = trainer(precision=f"amp-{level}").precision_plugin
-    assert isinstance(plugin, AmpPrecision)
+def test_amp_strings_resolve_to_amp_precision(level: str, no_apex: None, flavour: Flavour) -> None:
+    plugin = flavoured_trainer(flavour, precision=f"amp-{level}").precision_plugin
+    assert type(plugin) is flavour.plugins.AmpPrecision
+    assert isinstance(plugin, flavour.pl.plugins.precision.Precision)
     assert (plugin.opt_level, plugin.backend) == (level, "native")
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
-def test_apex_strings_resolve_to_the_apex_backend(level: str, apex_double: ModuleType) -> None:
-    plugin = trainer(precision=f"apex-{level}").precision_plugin
-    assert isinstance(plugin, AmpPrecision)
-    assert (plugin.opt_level, plugin.backend) == (level, "apex")
+def test_apex_strings_resolve_to_the_apex_backend(level: str, apex_double: ModuleType, flavour: Flavour) -> None:
+    trainer = flavoured_trainer(flavour, strategy="envddp", precision=f"apex-{level}")
+    assert type(trainer.strategy) is flavour.plugins.EnvDDPStrategy
+    assert type(trainer.precision_plugin) is flavour.plugins.AmpPrecision
+    assert (trainer.precision_plugin.opt_level, trainer.precision_plugin.backend) == (level, "apex")
 
 
-def test_amp_strings_prefer_apex_when_it_is_importable(apex_double: ModuleType) -> None:
-    assert trainer(precision="amp-O2").precision_plugin.backend == "apex"
+def test_amp_strings_prefer_apex_when_it_is_importable(apex_double: ModuleType, flavour: Flavour) -> None:
+    assert flavoured_trainer(flavour, precision="amp-O2").precision_plugin.backend == "apex"
 
 
 @pytest.mark.parametrize(
     ("value", "plugin_type"),
     [
-        ("32-true", Precision),
-        (32, Precision),
-        ("16-mixed", MixedPrecision),
-        ("bf16-mixed", MixedPrecision),
-        ("16-true", HalfPrecision),
-        ("bf16-true", HalfPrecision),
-        ("64-true", DoublePrecision),
+        ("32-true", "Precision"),
+        (32, "Precision"),
+        ("16-mixed", "MixedPrecision"),
+        ("bf16-mixed", "MixedPrecision"),
+        ("16-true", "HalfPrecision"),
+        ("bf16-true", "HalfPrecision"),
+        ("64-true", "DoublePrecision"),
     ],
 )
-def test_lightnings_own_values_behave_as_before(value: Any, plugin_type: type) -> None:
-    plugin = trainer(precision=value).precision_plugin
-    assert type(plugin) is plugin_type
+def test_lightnings_own_values_behave_as_before(value: Any, plugin_type: str, flavour: Flavour) -> None:
+    plugin = flavoured_trainer(flavour, precision=value).precision_plugin
+    assert type(plugin) is getattr(flavour.pl.plugins.precision, plugin_type)
 
 
 @pytest.mark.parametrize("value", ["apex-O9", "amp-O4", "apex-o1", "apex"])
-def test_other_values_are_still_rejected_by_lightning(value: str) -> None:
+def test_other_values_are_still_rejected_by_lightning(value: str, flavour: Flavour) -> None:
     with pytest.raises(ValueError, match="is invalid"):
-        trainer(precision=value)
+        flavoured_trainer(flavour, precision=value)
 
 
 def test_a_precision_string_and_a_precision_plugin_conflict(no_apex: None) -> None:

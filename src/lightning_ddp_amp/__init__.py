@@ -2,7 +2,9 @@
 
 Importing this package registers ``"envddp"`` (and ``"envddp_find_unused_parameters_true"``) in Lightning's
 strategy registry and teaches ``Trainer(precision=...)`` the values ``"apex-O0"`` … ``"apex-O3"`` and
-``"amp-O0"`` … ``"amp-O3"``, so ``Trainer(strategy="envddp", precision="apex-O1")`` works.
+``"amp-O0"`` … ``"amp-O3"``, so ``Trainer(strategy="envddp", precision="apex-O1")`` works, with ``lightning``
+and with the standalone ``pytorch_lightning``, whose plugin classes live in ``lightning_ddp_amp.pytorch_lightning``
+(built from the same files, see ``_namespaces.py``).
 """
 
 from lightning_ddp_amp.environment import Topology, check_rank_variables, read_topology
@@ -48,3 +50,8 @@ __all__ = [
 if EnvDDPStrategy.strategy_name not in StrategyRegistry:
     EnvDDPStrategy.register_strategies(StrategyRegistry)
 _lightning.install_trainer_hook()
+
+if __name__ == "lightning_ddp_amp":  # not in lightning_ddp_amp.pytorch_lightning, which is built from this file
+    from lightning_ddp_amp import _namespaces
+
+    _namespaces.install()

@@ -5,21 +5,26 @@ metrics, which files it wrote); rank 0 also saves the final weights to OUT/weigh
 """
 
 import argparse
+import importlib
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from common import LR, build_net, train_set, val_set
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
-from lightning_ddp_amp import EnvDDPStrategy, read_topology
+# `--namespace pytorch_lightning`: the same run with the standalone package and the plugins built for it.
+NAMESPACE = sys.argv[sys.argv.index("--namespace") + 1] if "--namespace" in sys.argv else "lightning"
+L = importlib.import_module("pytorch_lightning" if NAMESPACE == "pytorch_lightning" else "lightning.pytorch")
+ddp_amp = importlib.import_module(
+    "lightning_ddp_amp" + (".pytorch_lightning" if NAMESPACE == "pytorch_lightning" else "")
+)
+EnvDDPStrategy, read_topology = ddp_amp.EnvDDPStrategy, ddp_amp.read_topology
+ModelCheckpoint, CSVLogger = L.callbacks.ModelCheckpoint, L.loggers.CSVLogger
+TorchCheckpointIO, rank_zero_only = L.plugins.io.TorchCheckpointIO, L.utilities.rank_zero_only
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -34,6 +39,7 @@ parser.add_argument(
     "--devices", type=int, default=None, help="Trainer(devices=...); without a launcher, >1 self-launches"
 )
 parser.add_argument("--timeout", type=float, default=1800.0, help="EnvDDPStrategy(timeout=...), seconds")
+parser.add_argument("--namespace", choices=["lightning", "pytorch_lightning"], default="lightning")
 args = parser.parse_args()
 out = Path(args.out)
 RANK = str(read_topology().rank)  # torchrun, srun or mpirun
@@ -129,6 +135,8 @@ report = {
     "num_nodes": trainer.num_nodes,
     "num_devices": trainer.num_devices,
     "launcher": trainer.strategy.topology.launcher,
+    "strategy_class": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}",
+    "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",
     "device": str(trainer.strategy.root_device),
     "ddp": model.ddp,
     "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,

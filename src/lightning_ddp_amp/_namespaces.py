@@ -1,0 +1,143 @@
+"""One source, two namespaces: this package for ``lightning``, and the same files for ``pytorch_lightning``.
+
+Lightning is published twice: as ``lightning.pytorch`` / ``lightning.fabric`` inside the ``lightning`` package, and
+as the standalone ``pytorch_lightning`` / ``lightning_fabric``, with separate class hierarchies and separate
+strategy registries. A strategy must derive from the ``DDPStrategy`` of the Trainer it is given to.
+
+``lightning_ddp_amp.pytorch_lightning`` is therefore built at import time from this package's own source files,
+with the rewrite Lightning applies to produce its standalone packages: ``lightning.pytorch`` becomes
+``pytorch_lightning`` and ``lightning.fabric`` becomes ``lightning_fabric``. Only the modules that import Lightning
+(directly or through another such module) get a second copy; the others (errors, the launcher environment,
+devices, the apex loader, the process group, self-launch) are shared, so one ``except LauncherEnvironmentError``
+catches both. Every rewrite keeps the line count, so tracebacks point at the real source lines.
+
+``import lightning_ddp_amp`` registers the ``pytorch_lightning`` flavour too: at once when ``pytorch_lightning`` is
+already imported, otherwise right after it is (a one-shot import hook), so users of ``lightning`` alone never pay
+for importing it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+PACKAGE = "lightning_ddp_amp"
+#: Where the ``pytorch_lightning`` flavour lives.
+NAMESPACE = f"{PACKAGE}.pytorch_lightning"
+_ROOT = Path(__file__).parent
+# Modules never copied: the entry points and this module.
+_NEVER = {"__init__", "__main__", "_namespaces"}
+# The public classes of the copied modules, as named in messages and docs (`lightning_ddp_amp.AmpPrecision`).
+_PUBLIC_CLASSES = ("EnvDDPStrategy", "AmpPrecision", "LauncherEnvironment")
+
+
+@functools.cache
+def namespaced_modules() -> frozenset[str]:
+    """The modules of this package that import Lightning, directly or through one another."""
+    imports = {path.stem: _imports(path) for path in _ROOT.glob("*.py") if path.stem not in _NEVER}
+    found = {name for name, imported in imports.items() if any(m.split(".")[0] == "lightning" for m in imported)}
+    while True:
+        more = {
+            name
+            for name, imported in imports.items()
+            if name not in found and any(m.removeprefix(PACKAGE + ".") in found for m in imported)
+        }
+        if not more:
+            return frozenset(found)
+        found |= more
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it (``from package import module`` counts as the module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def rewrite(source: str) -> str:
+    """``source`` as it reads in the ``pytorch_lightning`` flavour. Line numbers are kept."""
+    source = re.sub(r"\blightning\.pytorch\b", "pytorch_lightning", source)
+    source = re.sub(r"\blightning\.fabric\b", "lightning_fabric", source)
+    source = re.sub(r"^(\s*)import lightning$", r"\1import pytorch_lightning as lightning", source, flags=re.M)
+    copied = "|".join(sorted(namespaced_modules()) + list(_PUBLIC_CLASSES))
+    source = re.sub(rf"\b{PACKAGE}\.({copied})\b", rf"{NAMESPACE}.\1", source)
+    source = re.sub(rf"^(\s*)from {PACKAGE} import ({copied})\b", rf"\1from {NAMESPACE} import \2", source, flags=re.M)
+    return re.sub(rf"^(\s*)import {PACKAGE}(?=\s|$)", rf"\1import {NAMESPACE}", source, flags=re.M)
+
+
+class _Flavour(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``lightning_ddp_amp.pytorch_lightning[.module]`` from this package's files, rewritten."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == NAMESPACE:
+            return self._spec(fullname, "__init__", package=True)
+        module = fullname.removeprefix(NAMESPACE + ".")
+        if module == fullname or module not in namespaced_modules():
+            return None  # shared modules are imported under their own name only
+        return self._spec(fullname, module, package=False)
+
+    def _spec(self, fullname: str, module: str, package: bool) -> importlib.machinery.ModuleSpec:
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin=str(_ROOT / f"{module}.py"), is_package=package)
+        spec.has_location = True  # __file__ is the real source file
+        if package:
+            spec.submodule_search_locations = []  # no directory: every submodule comes from this finder
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        assert module.__spec__ is not None and module.__spec__.origin is not None
+        origin = module.__spec__.origin
+        exec(compile(rewrite(Path(origin).read_text()), origin, "exec"), module.__dict__)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Imports the ``pytorch_lightning`` flavour right after ``pytorch_lightning`` itself is imported, once."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "pytorch_lightning":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            importlib.import_module(NAMESPACE)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader instance
+        return spec
+
+
+def install() -> None:
+    """Make ``lightning_ddp_amp.pytorch_lightning`` importable, and register it with ``pytorch_lightning``."""
+    if not any(isinstance(finder, _Flavour) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Flavour())
+    if "pytorch_lightning" in sys.modules:
+        importlib.import_module(NAMESPACE)
+    elif importlib.util.find_spec("pytorch_lightning") is not None and not any(
+        isinstance(finder, _AfterImport) for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _AfterImport())
