@@ -87,6 +87,13 @@ def test_report_says_when_the_ranks_were_self_launched() -> None:
     assert doctor.report(TORCHRUN_RANK_1)["launcher"]["decision"].startswith("launched externally by torchrun")
 
 
+def test_decision_without_a_launcher_on_a_machine_with_several_gpus() -> None:
+    from lightning_ddp_amp import Topology
+
+    assert doctor._decision(Topology(), gpus=4).startswith("self-launch: no launcher variables and 4 GPUs")
+    assert doctor._decision(Topology(), gpus=1).startswith("single process")
+
+
 def test_slurm_job_variables_without_srun_are_explained() -> None:
     batch_script = {k: v for k, v in SRUN_RANK_1.items() if not k.startswith("SLURM_STEP_")}
     launcher = doctor.report(batch_script)["launcher"]
@@ -97,7 +104,7 @@ def test_slurm_job_variables_without_srun_are_explained() -> None:
 
 def test_other_mpis_are_a_problem() -> None:
     (problem,) = doctor.report({"PMI_RANK": "1", "PMI_SIZE": "4"})["problems"]
-    assert problem["problem"].startswith("an MPI other than Open MPI started this process")
+    assert problem["problem"].startswith("a launcher envddp does not read started this process (PMI_SIZE='4'")
 
 
 def test_bad_environment_is_a_problem_with_its_fix_and_exit_status_one() -> None:

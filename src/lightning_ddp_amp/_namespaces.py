@@ -13,7 +13,8 @@ catches both. Every rewrite keeps the line count, so tracebacks point at the rea
 
 ``import lightning_ddp_amp`` registers the ``pytorch_lightning`` flavour too: at once when ``pytorch_lightning`` is
 already imported, otherwise right after it is (a one-shot import hook), so users of ``lightning`` alone never pay
-for importing it.
+for importing it (about 0.15 s and some memory). A failure there is a warning: it never breaks
+``import pytorch_lightning``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import importlib.machinery
 import importlib.util
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -109,35 +111,76 @@ class _Flavour(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Imports the ``pytorch_lightning`` flavour right after ``pytorch_lightning`` itself is imported, once."""
+    """Registers the ``pytorch_lightning`` flavour right after ``pytorch_lightning`` itself is imported.
+
+    It only wraps the loader of the spec the other finders return; it stays in place until that loader has
+    actually run, so a mere ``importlib.util.find_spec("pytorch_lightning")`` (an availability check) changes
+    nothing.
+    """
+
+    def __init__(self) -> None:
+        self._finding = False
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "pytorch_lightning":
+        if fullname != "pytorch_lightning" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        execute = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            execute(module)
-            importlib.import_module(NAMESPACE)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader instance
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _ThenRegister):
+            spec.loader = _ThenRegister(spec.loader)
         return spec
+
+
+class _ThenRegister(importlib.abc.Loader):
+    """Runs the real loader, puts it back on the module, then imports the ``pytorch_lightning`` flavour."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.loader, name)  # get_data, get_resource_reader, ... for whoever holds the spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not _is(finder, _AfterImport)]
+        _register()
+
+
+def _register() -> None:
+    """Import the ``pytorch_lightning`` flavour; a failure is a warning, never a broken ``import pytorch_lightning``."""
+    try:
+        importlib.import_module(NAMESPACE)
+    except Exception as error:
+        warnings.warn(
+            f"lightning_ddp_amp could not set itself up for pytorch_lightning"
+            f" {getattr(sys.modules.get('pytorch_lightning'), '__version__', '?')} ({type(error).__name__}: {error});"
+            ' pytorch_lightning.Trainer will not know strategy="envddp" or the "apex-O*" / "amp-O*" precision values.'
+            " Install a pytorch-lightning release between 2.5 and 2.6, or use `import lightning`.",
+            stacklevel=2,
+        )
+
+
+def _is(finder: object, kind: type) -> bool:
+    # By name, not isinstance: a reloaded _namespaces must recognise the finders the previous one installed.
+    return type(finder).__qualname__ == kind.__qualname__ and type(finder).__module__ == kind.__module__
 
 
 def install() -> None:
     """Make ``lightning_ddp_amp.pytorch_lightning`` importable, and register it with ``pytorch_lightning``."""
-    if not any(isinstance(finder, _Flavour) for finder in sys.meta_path):
+    if not any(_is(finder, _Flavour) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Flavour())
     if "pytorch_lightning" in sys.modules:
-        importlib.import_module(NAMESPACE)
-    elif importlib.util.find_spec("pytorch_lightning") is not None and not any(
-        isinstance(finder, _AfterImport) for finder in sys.meta_path
-    ):
+        _register()
+    elif not any(_is(finder, _AfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())

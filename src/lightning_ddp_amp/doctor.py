@@ -38,6 +38,7 @@ from lightning_ddp_amp.environment import (
     SRUN_VARIABLES,
     Topology,
     detect_launcher,
+    other_launcher,
     read_topology,
 )
 from lightning_ddp_amp.errors import LightningDDPAmpError
@@ -50,8 +51,7 @@ APEX_EXTENSIONS = {
     "fused_layer_norm_cuda": "apex.normalization.FusedLayerNorm",
 }
 _APEX_TIMEOUT_S = 120
-# Ranks exported by MPI implementations other than Open MPI (MPICH, Intel MPI, MVAPICH), which envddp does not read.
-_OTHER_MPI = ("PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")
+
 # The environment a launcher leaves, shown as is so that a report can be compared across ranks.
 _SHOWN_PREFIXES = (
     "SLURM_PROCID",
@@ -61,7 +61,9 @@ _SHOWN_PREFIXES = (
     "SLURM_NODEID",
     "SLURM_JOB_ID",
     "OMPI_COMM_WORLD",
-    *_OTHER_MPI,
+    "PMI_",
+    "MV2_COMM_WORLD",
+    "JSM_NAMESPACE",
 )
 _SHOWN = (
     *LAUNCHER_VARIABLES,
@@ -121,16 +123,16 @@ def _launcher(
         problems.append({"problem": f"{error.field}={error.value!r}: {error.problem}", "fix": error.fix})
         section["error"] = str(error)
         return section, None
-    section["decision"] = _decision(topology)
+    section["decision"] = _decision(topology, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     ignored = _ignored_launchers(env, topology.launcher)
     if ignored:
         section["ignored"] = ignored
-    other_mpi_size = next((env[n].strip() for n in ("PMI_SIZE", "MV2_COMM_WORLD_SIZE") if n in env), "1")
-    if topology.launcher == "none" and other_mpi_size != "1":
+    foreign = other_launcher(env)
+    if topology.launcher == "none" and foreign is not None:
         problems.append(
             {
-                "problem": "an MPI other than Open MPI started this process (PMI_* / MV2_* variables), which envddp"
-                " does not read, so every process would train alone",
+                "problem": f"a launcher envddp does not read started this process ({foreign}: MPICH, Intel MPI,"
+                " MVAPICH or jsrun), so every process would train alone",
                 "fix": "launch with torchrun, srun or Open MPI's mpirun, or export RANK, LOCAL_RANK, WORLD_SIZE,"
                 " LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process",
             }
@@ -148,9 +150,14 @@ def _launcher(
     return section, topology
 
 
-def _decision(topology: Topology) -> str:
+def _decision(topology: Topology, gpus: int) -> str:
     """Launched externally, self-launched, or a single process: what envddp does with this environment."""
     ranks = f"{topology.world_size} rank(s) on {topology.num_nodes} node(s)"
+    if topology.launcher == "none" and gpus > 1:
+        return (
+            f'self-launch: no launcher variables and {gpus} GPUs, so Trainer(strategy="envddp") starts {gpus} ranks'
+            " itself through torchrun (devices=1 trains alone)"
+        )
     if topology.launcher == "none":
         return (
             "single process: no launcher variables, so one process trains on the default device;"

@@ -38,6 +38,8 @@ MPIRUN_VARIABLES = (
 SLURM_BASE_PORT = 15000
 DEFAULT_MASTER_PORT = 29500
 
+#: Process counts exported by launchers envddp does not read (MPICH / Intel MPI, MVAPICH, LSF's jsrun).
+OTHER_LAUNCHER_SIZES = ("PMI_SIZE", "MV2_COMM_WORLD_SIZE", "JSM_NAMESPACE_SIZE")
 #: Set by EnvDDPStrategy for the ranks it starts itself (:mod:`lightning_ddp_amp.selflaunch`).
 SELF_LAUNCH_VARIABLE = "LIGHTNING_DDP_AMP_SELF_LAUNCHED"
 
@@ -114,6 +116,15 @@ def detect_launcher(environ: Mapping[str, str] | None = None, argv: Sequence[str
         # run there is one process, not rank 0 of SLURM_NTASKS.
         return "srun"
     return "none"
+
+
+def other_launcher(environ: Mapping[str, str] | None = None) -> str | None:
+    """``"PMI_SIZE='4'"`` when a launcher envddp does not read started several processes, else None."""
+    env = os.environ if environ is None else environ
+    for name in OTHER_LAUNCHER_SIZES:
+        if env.get(name, "1").strip() not in ("1", ""):
+            return f"{name}={env[name]!r}"
+    return None
 
 
 def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> Topology:

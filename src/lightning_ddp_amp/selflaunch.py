@@ -5,18 +5,20 @@ command), re-running the script with the same arguments, so the run is the one
 ``torchrun --standalone --nproc-per-node=N train.py ...`` would make: same environment, same elastic agent, same
 ``--max-restarts``. The process that was started with ``python`` becomes torchrun's agent: it supervises the ranks
 and, when they finish, exits with their status, so code after the Trainer runs in the ranks only, as under
-torchrun. This module imports nothing from Lightning.
+torchrun. Code before the Trainer has run once more, in that process: keep expensive set-up (downloads, CUDA
+work) after it, or in the LightningModule's hooks. This module imports nothing from Lightning.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NoReturn
 
-from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE
+from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE, other_launcher
 from lightning_ddp_amp.errors import StrategyConfigurationError
 
 
@@ -29,39 +31,44 @@ def script_command(main: ModuleType | None = None, argv: Sequence[str] | None = 
 
     Raises:
         StrategyConfigurationError: Python is not running a script (an interactive session, a notebook,
-            ``python -c``), so there is nothing to re-run.
+            ``python -c``), or it is running pytest, whose whole session would run again on every rank.
     """
     main = sys.modules["__main__"] if main is None else main
     argv = sys.argv if argv is None else argv
     spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name and spec.name != "__main__":  # python -m package.module
-        return ["-m", spec.name.removesuffix(".__main__"), *argv[1:]]
+    module = spec.name.removesuffix(".__main__") if spec is not None and spec.name != "__main__" else None
     path = getattr(main, "__file__", None)
-    if not path or not os.path.isfile(path):
+    if module in ("pytest", "_pytest") or (path and os.path.basename(argv[0] or "") in ("pytest", "py.test")):
         raise StrategyConfigurationError(
             "devices",
             "N > 1",
-            "envddp starts the ranks by running this script again, but Python is not running a script file"
-            " (interactive session, notebook or `python -c`)",
-            "put the training in a script and run `python train.py`, or `torchrun --nproc-per-node=N train.py`",
+            "envddp starts the ranks by running the program again, and the program is pytest: every rank would"
+            " run the whole test session",
+            "in tests, start the ranks with torchrun (or set devices=1), and let the test launch the training script",
         )
-    return [os.path.abspath(path), *argv[1:]]
+    if module is not None:  # python -m package.module
+        return ["-m", module, *argv[1:]]
+    if path and os.path.isfile(path):
+        return [os.path.abspath(path), *argv[1:]]
+    if path and argv and os.path.isfile(argv[0]) and os.path.abspath(path).startswith(os.path.abspath(argv[0])):
+        return [os.path.abspath(argv[0]), *argv[1:]]  # a zipapp: __main__.py inside the archive
+    raise StrategyConfigurationError(
+        "devices",
+        "N > 1",
+        "envddp starts the ranks by running this script again, but Python is not running a script file"
+        " (interactive session, notebook or `python -c`)",
+        "put the training in a script and run `python train.py`, or `torchrun --nproc-per-node=N train.py`",
+    )
 
 
-def torchrun_arguments(nproc: int, max_restarts: int, command: Sequence[str]) -> list[str]:
-    """The torchrun command line of a self-launch, without the ``torchrun`` itself."""
-    return ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", *command]
+def plan(nproc: int, max_restarts: int) -> list[str]:
+    """The torchrun arguments (without ``torchrun``) that start ``nproc`` ranks of this program.
 
-
-def launch(nproc: int, max_restarts: int) -> NoReturn:
-    """Run this script on ``nproc`` ranks through torchrun, then exit with their status.
-
-    Exits 0 when every rank finished, else with the exit status of the first rank that failed (128 + the signal
-    number for a rank killed by a signal, as a shell reports it), after torchrun's summary of the failure.
+    Raises:
+        StrategyConfigurationError: This process must not start ranks: it is itself a rank of a self-launch, a
+            launcher envddp does not read started it (each of its processes would start a job of its own), or
+            there is no script to run again (see :func:`script_command`).
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
     if SELF_LAUNCH_VARIABLE in os.environ:
         # A rank of a self-launch that lost torchrun's variables must not start ranks of its own.
         raise StrategyConfigurationError(
@@ -71,13 +78,42 @@ def launch(nproc: int, max_restarts: int) -> NoReturn:
             " variables, so starting ranks again would never end",
             f"unset {SELF_LAUNCH_VARIABLE}, or launch with `torchrun --nproc-per-node={nproc} train.py`",
         )
-    arguments = torchrun_arguments(nproc, max_restarts, script_command())
+    foreign = other_launcher()
+    if foreign is not None:
+        raise StrategyConfigurationError(
+            "devices",
+            nproc,
+            f"a launcher envddp does not read started this process ({foreign}), so every one of its processes"
+            f" would start {nproc} ranks of its own",
+            "launch with torchrun, srun or Open MPI's mpirun, or export RANK, LOCAL_RANK, WORLD_SIZE,"
+            " LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process",
+        )
+    return ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", *script_command()]
+
+
+def launch(arguments: Sequence[str]) -> NoReturn:
+    """Run torchrun with ``arguments`` (from :func:`plan`) in this process, then exit with the ranks' status.
+
+    Exits 0 when every rank finished; with the exit status of the first rank that failed (128 + the signal number
+    for a rank killed by a signal, as a shell reports it), after torchrun's summary of the failure; with 128 + the
+    signal number when this process is signalled (torchrun has then stopped the ranks); with 1 when torchrun
+    itself fails. It never returns, so no code after the Trainer runs in this process.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
     os.environ[SELF_LAUNCH_VARIABLE] = "1"
     try:
-        torchrun(arguments)
+        torchrun(list(arguments))
     except ChildFailedError as error:
         _, failure = error.get_first_failure()
         print(str(error), file=sys.stderr)
         status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         raise SystemExit(status or 1) from None
+    except SignalException as error:
+        raise SystemExit(128 + int(error.sigval)) from None
+    except Exception:
+        traceback.print_exc()
+        raise SystemExit(1) from None
     raise SystemExit(0)

@@ -263,11 +263,16 @@ class EnvDDPStrategy(DDPStrategy):
         if topology.launcher == "none":
             self._launch_or_train_alone(requested)
         else:
+            _log_once(
+                f"envddp: launched externally by {topology.launcher}: {topology.world_size} rank(s) on"
+                f" {topology.num_nodes} node(s)"
+            )
             if self.max_restarts:
-                rank_zero_warn(
+                _log_once(
                     f"EnvDDPStrategy(max_restarts={self.max_restarts}) only applies when envddp starts the ranks"
                     f" itself; {topology.launcher} started them, so pass the restarts to it (`torchrun"
-                    " --max-restarts=N`)."
+                    " --max-restarts=N`).",
+                    warn=True,
                 )
             if requested is not None and len(requested) != topology.local_world_size:
                 raise TopologyMismatchError(
@@ -299,11 +304,18 @@ class EnvDDPStrategy(DDPStrategy):
         on_cuda = isinstance(self.accelerator, CUDAAccelerator)
         count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
         if count > 1:
-            command = " ".join(selflaunch.torchrun_arguments(count, self.max_restarts, selflaunch.script_command()))
+            arguments = selflaunch.plan(count, self.max_restarts)
+            if on_cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                rank_zero_warn(
+                    "CUDA was used before the Trainer was built: this process only supervises the ranks now, but it"
+                    " keeps its CUDA context (and any tensors) on the GPU for the whole run. Build the Trainer before"
+                    " touching the GPU."
+                )
+            command = " ".join(arguments)
             rank_zero_info(
                 f"envddp: no launcher variables and {count} devices: starting the ranks as `torchrun {command}`"
             )
-            selflaunch.launch(count, self.max_restarts)
+            selflaunch.launch(arguments)
         _log_once(
             f"envddp: no launcher variables, so one process trains on {'cuda' if on_cuda else 'cpu'}"
             " (Trainer(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
@@ -583,11 +595,11 @@ def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | N
 _LOGGED: set[str] = set()
 
 
-def _log_once(message: str) -> None:
-    """``rank_zero_info`` once per process: a script that builds several Trainers hears the decision once."""
+def _log_once(message: str, warn: bool = False) -> None:
+    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
     if message not in _LOGGED:
         _LOGGED.add(message)
-        rank_zero_info(message)
+        (rank_zero_warn if warn else rank_zero_info)(message)
 
 
 def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,74 @@
+"""Self-launch decisions that need no ranks: what is re-run, and when a process must not start ranks.
+
+The launch itself runs for real in test_multiprocess.py (equivalence) and test_faults.py (restarts, exit status).
+"""
+
+from __future__ import annotations
+
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from lightning_ddp_amp import StrategyConfigurationError, selflaunch
+from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE
+
+
+def main_module(file: str | None = None, spec_name: str | None = None) -> types.ModuleType:
+    """A ``__main__`` as Python sets it up for `python file`, `python -m spec_name`, or an interactive session."""
+    module = types.ModuleType("__main__")
+    if file is not None:
+        module.__file__ = file
+    module.__spec__ = None if spec_name is None else types.SimpleNamespace(name=spec_name)  # type: ignore[assignment]
+    return module
+
+
+def test_a_script_is_run_again_by_its_absolute_path_with_the_same_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    command = selflaunch.script_command(main_module(str(script)), ["train.py", "--lr", "0.1"])
+    assert command == [str(script.resolve()), "--lr", "0.1"]
+
+
+@pytest.mark.parametrize("spec_name", ["project.train", "project.__main__"])
+def test_a_module_is_run_again_as_a_module(spec_name: str) -> None:
+    command = selflaunch.script_command(main_module("/x/project/train.py", spec_name), ["/x/project/train.py", "-v"])
+    assert command == ["-m", "project.train" if spec_name == "project.train" else "project", "-v"]
+
+
+def test_a_zipapp_is_run_again_as_the_archive(tmp_path: Path) -> None:
+    archive = tmp_path / "app.pyz"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("__main__.py", "")
+    command = selflaunch.script_command(main_module(str(archive / "__main__.py")), [str(archive), "--fast"])
+    assert command == [str(archive), "--fast"]
+
+
+@pytest.mark.parametrize("argv0", ["", "-c"])
+def test_no_script_file_is_an_error_naming_the_fix(argv0: str) -> None:
+    with pytest.raises(StrategyConfigurationError, match="Python is not running a script file") as raised:
+        selflaunch.script_command(main_module(None), [argv0])
+    assert "torchrun --nproc-per-node=N train.py" in raised.value.fix
+
+
+def test_pytest_is_never_run_again_on_every_rank() -> None:
+    # This very process: pytest's __main__.
+    with pytest.raises(StrategyConfigurationError, match="every rank would run the whole test session"):
+        selflaunch.script_command()
+
+
+def test_a_rank_of_a_self_launch_does_not_launch_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SELF_LAUNCH_VARIABLE, "1")
+    with pytest.raises(StrategyConfigurationError, match="starting ranks again would never end"):
+        selflaunch.plan(2, 0)
+
+
+@pytest.mark.parametrize("name", ["PMI_SIZE", "MV2_COMM_WORLD_SIZE", "JSM_NAMESPACE_SIZE"])
+def test_processes_of_a_launcher_envddp_does_not_read_do_not_each_start_a_job(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(name, "4")
+    with pytest.raises(StrategyConfigurationError) as raised:
+        selflaunch.plan(2, 0)
+    assert f"a launcher envddp does not read started this process ({name}='4')" in str(raised.value)
