@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the test suite: real CUDA, NCCL, native AMP on the GPU and, where NVIDIA apex (≤ 25.05, with
 # apex.amp) is installed, real apex. Run on a GPU machine, in an environment with a CUDA build of torch 2.13 and
-# this package installed (pip install -e ".[dev]"). Tests needing two GPUs are skipped on one. About 2 minutes.
+# this package installed (pip install -e ".[dev]"). Tests needing two GPUs are skipped on one. About 3 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python - <<'PY'

@@ -32,6 +32,8 @@ def test_single_process_trains_on_cuda_0(tmp_path: Path) -> None:
             "4",
             "--accelerator",
             "cuda",
+            "--devices",
+            "1",  # "auto" would start one rank per GPU (test_auto_devices_start_one_rank_per_gpu)
             "--epochs",
             "1",
         ],
@@ -42,6 +44,40 @@ def test_single_process_trains_on_cuda_0(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert report(tmp_path, 0)["device"] == "cuda:0"
+
+
+@two_gpus
+def test_auto_devices_start_one_rank_per_gpu(tmp_path: Path) -> None:
+    # `python train.py` on a machine with several GPUs: envddp starts one rank per GPU itself, on NCCL.
+    command = [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"]
+    process = subprocess.Popen(
+        [*command, "--accelerator", "cuda", "--epochs", "1"],
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    check(finish(process, timeout=300))
+    for rank in range(GPUS):
+        assert (report(tmp_path, rank)["device"], report(tmp_path, rank)["backend"]) == (f"cuda:{rank}", "nccl")
+        assert report(tmp_path, rank)["launcher"] == "self-launch"
+
+
+def test_doctor_reports_the_gpus_cuda_and_nccl() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ddp_amp", "env", "--json"],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    data = json.loads(result.stdout)
+    assert data["devices"]["cuda_device_count"] == GPUS
+    assert data["devices"]["this_rank_device"] == "cuda:0"
+    assert data["versions"]["torch_cuda"] == torch.version.cuda
+    assert data["versions"]["nccl"] is not None
+    assert data["backends"]["default"] == "nccl"
+    assert data["launcher"]["decision"].startswith("self-launch" if GPUS > 1 else "single process")
 
 
 @two_gpus
