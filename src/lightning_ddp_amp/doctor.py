@@ -391,8 +391,8 @@ def render(data: Mapping[str, Any]) -> str:
     if topology:
         lines.append(
             f"topology     rank {topology['rank']} of {topology['world_size']}, local rank {topology['local_rank']}"
-            f" of {topology['local_world_size']}, node {topology['node_rank']} of {topology['num_nodes']},"
-            f" master {topology['master_addr']}:{topology['master_port']}"
+            f" of {topology['local_world_size']}, node {topology['node_rank']} of {topology['num_nodes']}"
+            + (f", master {topology['master_addr']}:{topology['master_port']}" if topology["master_addr"] else "")
         )
     for ignored in launcher.get("ignored", []):
         lines.append(f"ignored      {ignored}")
