@@ -134,7 +134,6 @@ class Torchrun:
         apex_double: bool = False,
     ) -> subprocess.Popen[str]:
         command = [
-            sys.executable,
             "-m",
             "torch.distributed.run",
             f"--nproc-per-node={nproc}",
@@ -146,18 +145,35 @@ class Torchrun:
             str(WORKERS / script),
             *args,
         ]
-        return subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=worker_env(env, apex_double),
-        )
+        return start_python(*command, env=env, apex_double=apex_double)
 
     def run(self, script: str, *args: str, timeout: float = 180, **kwargs: object) -> subprocess.CompletedProcess[str]:
         """Run to completion; a hang becomes a test failure after ``timeout`` seconds."""
         process = self.start(script, *args, **kwargs)  # type: ignore[arg-type]
         return finish(process, timeout)
+
+
+def start_python(*args: str, env: dict[str, str] | None = None, apex_double: bool = False) -> subprocess.Popen[str]:
+    """``python *args`` in the background, stdout and stderr merged; :func:`finish` collects it."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=worker_env(env, apex_double),
+    )
+
+
+def launcher_variables(rank: int, port: int | str, world_size: int = 2) -> dict[str, str]:
+    """What torchrun exports to ``rank`` of a one-node job, for ranks a test starts by hand (no supervisor)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def worker_env(extra: dict[str, str] | None = None, apex_double: bool = False) -> dict[str, str]:

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORKERS, Torchrun, check, finish, free_port, max_abs_difference, worker_env
+from conftest import (
+    WORKERS,
+    Torchrun,
+    check,
+    finish,
+    free_port,
+    launcher_variables,
+    max_abs_difference,
+    start_python,
+    worker_env,
+)
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -49,15 +59,8 @@ def test_single_process_trains_on_cuda_0(tmp_path: Path) -> None:
 @two_gpus
 def test_auto_devices_start_one_rank_per_gpu(tmp_path: Path) -> None:
     # `python train.py` on a machine with several GPUs: envddp starts one rank per GPU itself, on NCCL.
-    command = [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"]
-    process = subprocess.Popen(
-        [*command, "--accelerator", "cuda", "--epochs", "1"],
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    check(finish(process, timeout=300))
+    command = (str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4")
+    check(finish(start_python(*command, "--accelerator", "cuda", "--epochs", "1"), timeout=300))
     for rank in range(GPUS):
         assert (report(tmp_path, rank)["device"], report(tmp_path, rank)["backend"]) == (f"cuda:{rank}", "nccl")
         assert report(tmp_path, rank)["launcher"] == "self-launch"
@@ -100,35 +103,13 @@ def test_nccl_ranks_pin_their_gpus_and_match_the_recipe(torchrun: Torchrun, tmp_
 @two_gpus
 def test_one_visible_gpu_per_process_uses_cuda_0(tmp_path: Path) -> None:
     # What a scheduler does: each process sees only its own GPU through CUDA_VISIBLE_DEVICES.
-    port = str(free_port())
+    port = free_port()
+    command = (str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4")
     processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKERS / "train_envddp.py"),
-                "--out",
-                str(tmp_path),
-                "--batch-size",
-                "4",
-                "--accelerator",
-                "cuda",
-                "--epochs",
-                "1",
-            ],
-            env=worker_env(
-                {
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2",
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port,
-                    "CUDA_VISIBLE_DEVICES": str(rank),
-                }
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        start_python(
+            *command,
+            *("--accelerator", "cuda", "--epochs", "1"),
+            env={**launcher_variables(rank, port), "CUDA_VISIBLE_DEVICES": str(rank)},
         )
         for rank in (0, 1)
     ]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import check, finish, free_port, worker_env
+from conftest import check, finish, free_port, start_python, worker_env
 
 from lightning_ddp_amp import doctor
 
@@ -208,10 +208,8 @@ def test_the_apex_test_double_is_named_as_one(apex_double: object) -> None:
 @pytest.mark.parametrize("launcher", ["torch.distributed.run", "torch.distributed.launch"])
 def test_safe_on_every_rank_under_a_real_launcher(launcher: str, tmp_path: Path) -> None:
     # torch.distributed.launch without --use-env appends --local-rank=N, which the doctor accepts too.
-    command = [sys.executable, "-m", launcher, "--nproc-per-node=2", f"--master-port={free_port()}"]
-    command += [f"--log-dir={tmp_path}", "--redirects=3", "-m", "lightning_ddp_amp", "env", "--json"]
-    process = subprocess.Popen(command, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    check(finish(process, timeout=120))
+    command = ["-m", launcher, "--nproc-per-node=2", f"--master-port={free_port()}", f"--log-dir={tmp_path}"]
+    check(finish(start_python(*command, "--redirects=3", "-m", "lightning_ddp_amp", "env", "--json"), timeout=120))
     reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("**/stdout.log"))]
     ranks = {(r["launcher"]["name"], r["launcher"]["topology"]["rank"]) for r in reports}
     expected = "torchrun" if launcher == "torch.distributed.run" else "torch.distributed.launch"

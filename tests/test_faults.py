@@ -6,14 +6,22 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import WORKERS, Torchrun, check, finish, free_port, max_abs_difference, worker_env
+from conftest import (
+    WORKERS,
+    Torchrun,
+    check,
+    finish,
+    free_port,
+    launcher_variables,
+    max_abs_difference,
+    start_python,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiprocess]
 
@@ -58,34 +66,14 @@ def run(torchrun: Torchrun, out: Path, *args: str, **kwargs: Any) -> subprocess.
 def run_plain(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`python train_faults.py ...` with no launcher: with --devices 2 the strategy starts the ranks itself."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, SCRIPT, "--out", str(out), *args]
-    process = subprocess.Popen(command, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return finish(process, timeout=240)
+    return finish(start_python(SCRIPT, "--out", str(out), *args), timeout=240)
 
 
 def start_ranks_by_hand(out: Path, *args: str, ranks: tuple[int, ...] = (0, 1)) -> list[subprocess.Popen[str]]:
     """Start ranks as plain processes with the launcher variables set: no torchrun to supervise them."""
     out.mkdir(parents=True, exist_ok=True)
-    port = str(free_port())
-    return [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, "--out", str(out), *args],
-            env=worker_env(
-                {
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2",
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port,
-                }
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in ranks
-    ]
+    port = free_port()
+    return [start_python(SCRIPT, "--out", str(out), *args, env=launcher_variables(rank, port)) for rank in ranks]
 
 
 @pytest.fixture(scope="module")
@@ -296,13 +284,7 @@ def test_a_writer_killed_during_a_save_leaves_the_previous_checkpoint_intact(run
     out = runs / "killed-writer"
     out.mkdir()
     # One process (no launcher): the save at step 8 stalls while it is being written, and is killed there.
-    writer = subprocess.Popen(
-        [sys.executable, SCRIPT, "--out", str(out), "--every", "4", "--save-last", "--stall-save-at-step", "8"],
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    writer = start_python(SCRIPT, "--out", str(out), "--every", "4", "--save-last", "--stall-save-at-step", "8")
     wait_for(out / "saving", writer)
     writer.send_signal(signal.SIGKILL)
     writer.communicate()

@@ -13,7 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import WORKERS, Torchrun, check, finish, free_port, max_abs_difference, worker_env
+from conftest import (
+    WORKERS,
+    Torchrun,
+    check,
+    finish,
+    free_port,
+    max_abs_difference,
+    start_python,
+    worker_env,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -217,17 +226,8 @@ def simulated_launcher(launcher: str, rank: int, job_id: str, port: int) -> dict
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 def test_srun_and_mpirun_ranks_end_with_the_recipes_weights(recipe: Path, launcher: str, tmp_path: Path) -> None:
     job_id, port = free_slurm_job_id(), free_port()
-    command = [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"]
-    ranks = [
-        subprocess.Popen(
-            command,
-            env=worker_env(simulated_launcher(launcher, rank, job_id, port)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
+    command = (str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4")
+    ranks = [start_python(*command, env=simulated_launcher(launcher, rank, job_id, port)) for rank in (0, 1)]
     for process in ranks:
         check(finish(process, timeout=240))
     seen = {(r["rank"], r["local_rank"], r["node_rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
@@ -242,12 +242,9 @@ def test_plain_python_with_two_devices_starts_its_own_ranks_and_ends_with_the_re
     recipe: Path, tmp_path: Path
 ) -> None:
     # `python train.py` with Trainer(devices=2): torchrun's engine re-runs the script on 2 ranks.
-    command = [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"]
-    process = subprocess.Popen(
-        [*command, "--devices", "2"], env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    result = check(finish(process, timeout=240))
-    started = f"starting the ranks as `torchrun --standalone --nproc-per-node=2 --max-restarts=0 {command[1]} --out"
+    script = str(WORKERS / "train_envddp.py")
+    result = check(finish(start_python(script, "--out", str(tmp_path), "--batch-size", "4", "--devices", "2"), 240))
+    started = f"starting the ranks as `torchrun --standalone --nproc-per-node=2 --max-restarts=0 {script} --out"
     assert started in result.stdout
     assert result.stdout.count("starting the ranks as") == 1  # the ranks do not start ranks again
     seen = {(r["rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
@@ -256,9 +253,6 @@ def test_plain_python_with_two_devices_starts_its_own_ranks_and_ends_with_the_re
 
 
 def test_plain_python_trains_as_one_process(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     result = subprocess.run(
         [
             sys.executable,
@@ -282,9 +276,6 @@ def test_plain_python_trains_as_one_process(tmp_path: Path) -> None:
 
 
 def test_bad_launcher_variable_stops_the_process_without_waiting_for_peers(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     # Nothing listens on this port: a process that tried to rendezvous before validating would hang here.
     env = {
         "RANK": "2",
@@ -293,13 +284,7 @@ def test_bad_launcher_variable_stops_the_process_without_waiting_for_peers(tmp_p
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
     }
-    process = subprocess.Popen(
-        [sys.executable, str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4"],
-        env=worker_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = start_python(str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4", env=env)
     result = finish(process, timeout=60)
     assert result.returncode == 1
     assert "LauncherEnvironmentError: RANK='2': it must be below WORLD_SIZE=2" in result.stdout
