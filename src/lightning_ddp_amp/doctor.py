@@ -35,6 +35,8 @@ from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import (
     LAUNCHER_VARIABLES,
     MPIRUN_VARIABLES,
+    SLURM_NODELISTS,
+    SLURM_TASKS_PER_NODE,
     SRUN_VARIABLES,
     Topology,
     detect_launcher,
@@ -52,19 +54,8 @@ APEX_EXTENSIONS = {
 }
 _APEX_TIMEOUT_S = 120
 
-# The environment a launcher leaves, shown as is so that a report can be compared across ranks.
-_SHOWN_PREFIXES = (
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NTASKS",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_NODEID",
-    "SLURM_JOB_ID",
-    "OMPI_COMM_WORLD",
-    "PMI_",
-    "MV2_COMM_WORLD",
-    "JSM_NAMESPACE",
-)
+# The environment a launcher leaves, shown as is so that a report can be compared across ranks: every variable
+# read_topology reads, and the other launchers' families, so that the report can say why they were ignored.
 _SHOWN = (
     *LAUNCHER_VARIABLES,
     "LOCAL_WORLD_SIZE",
@@ -75,13 +66,15 @@ _SHOWN = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
     "CUDA_VISIBLE_DEVICES",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_STEP_TASKS_PER_NODE",
-    "SLURM_TASKS_PER_NODE",
-    "SLURM_STEP_NODELIST",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NODELIST",
+    *SRUN_VARIABLES,
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+    *SLURM_TASKS_PER_NODE,
+    *SLURM_NODELISTS,
 )
+_SHOWN_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_", "MV2_COMM_WORLD_", "JSM_NAMESPACE_")
 
 
 def report(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -48,11 +48,11 @@ _SRUN_HINT = "launch with `srun --ntasks-per-node=N python train.py`, which sets
 _MPIRUN_HINT = "launch with `mpirun -np N -x MASTER_ADDR -x MASTER_PORT python train.py`"
 #: srun's own variables: present in the tasks srun starts, absent from the batch script and from `salloc`'s shell.
 SRUN_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
-_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 _FIRST_OF_RANGE = re.compile(r"\[([^\]\-,]+)[^\]]*\]")
 _SLURM_COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 # The step's real layout first; SLURM_NTASKS_PER_NODE is what the job asked for, inherited from sbatch.
-_SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def _read_srun(env: Mapping[str, str]) -> Topology:
     local_rank = _required_int(env, "SLURM_LOCALID", _SRUN_HINT, minimum=0, below=(local_world_size, per_node_name))
     num_nodes = world_size // local_world_size
     node_rank = _read_int(env, "SLURM_NODEID", minimum=0, below=(num_nodes, "the number of nodes"), hint=_SRUN_HINT)
-    nodes = next((name for name in _SLURM_NODELISTS if env.get(name, "").strip()), None)
+    nodes = next((name for name in SLURM_NODELISTS if env.get(name, "").strip()), None)
     job_id = env.get("SLURM_JOB_ID", "").strip()
     master_addr, master_port = _master(
         env,
@@ -222,7 +222,7 @@ def _read_srun(env: Mapping[str, str]) -> Topology:
 
 def _slurm_tasks_per_node(env: Mapping[str, str]) -> tuple[int, str]:
     """Tasks per node from the first of SLURM's variables that is set; every node must run as many."""
-    for name in _SLURM_TASKS_PER_NODE:
+    for name in SLURM_TASKS_PER_NODE:
         raw = env.get(name)
         if raw is None:
             continue
