@@ -107,6 +107,20 @@ def test_other_mpis_are_a_problem() -> None:
     assert problem["problem"].startswith("a launcher envddp does not read started this process (PMI_SIZE='4'")
 
 
+def test_cuda_without_nccl_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CUDA machine whose torch build lacks NCCL: both facts stand in for hardware and builds this CPU lacks.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(doctor.dist, "is_nccl_available", lambda: False)
+    problems: list[dict[str, str]] = []
+    assert doctor._backends(problems)["default"] == "nccl"
+    assert problems == [
+        {
+            "problem": "CUDA is available but this torch build has no NCCL",
+            "fix": 'install a torch build with NCCL, or pass EnvDDPStrategy(process_group_backend="gloo")',
+        }
+    ]
+
+
 def test_bad_environment_is_a_problem_with_its_fix_and_exit_status_one() -> None:
     result = run_doctor("--json", env={**TORCHRUN_RANK_1, "RANK": "2"})
     assert result.returncode == 1

@@ -194,6 +194,15 @@ def test_bad_srun_or_mpirun_environment_names_the_variable(
     assert "Fix: " in str(raised.value)
 
 
+def test_srun_without_any_tasks_per_node_variable_names_them() -> None:
+    env = {k: v for k, v in SRUN_RANK_3_OF_4.items() if "TASKS_PER_NODE" not in k}
+    with pytest.raises(LauncherEnvironmentError) as raised:
+        read_topology(env, [])
+    assert str(raised.value).startswith(
+        "SLURM_STEP_TASKS_PER_NODE=None: neither it nor SLURM_TASKS_PER_NODE / SLURM_NTASKS_PER_NODE is set. Fix: "
+    )
+
+
 def test_mpirun_across_nodes_says_how_to_pass_the_address() -> None:
     env = {k: v for k, v in MPIRUN_RANK_3_OF_4.items() if k != "MASTER_ADDR"}
     with pytest.raises(LauncherEnvironmentError, match=r"mpirun -x MASTER_ADDR=<host of rank 0>"):

@@ -104,6 +104,19 @@ def test_strategy_and_precision_strings_work_whatever_the_import_order(imports: 
     ]
 
 
+def test_a_failure_to_build_the_standalone_flavour_is_a_warning_not_a_broken_import() -> None:
+    code = (
+        "import sys, lightning_ddp_amp\n"
+        "sys.modules['lightning_ddp_amp.pytorch_lightning'] = None  # the flavour cannot be imported\n"
+        "import pytorch_lightning as pl\n"
+        "print('envddp' in pl.strategies.StrategyRegistry)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
+    assert "lightning_ddp_amp could not set itself up for pytorch_lightning" in result.stderr
+    assert 'pytorch_lightning.Trainer will not know strategy="envddp"' in result.stderr
+
+
 def test_lightning_users_do_not_import_pytorch_lightning() -> None:
     code = "import lightning_ddp_amp, sys; print('pytorch_lightning' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
