@@ -49,13 +49,13 @@ def test_import_registers_both_names() -> None:
 def test_find_unused_parameters_alias_reaches_ddp() -> None:
     strategy = trainer(strategy="envddp_find_unused_parameters_true").strategy
     assert isinstance(strategy, EnvDDPStrategy)
-    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+    assert strategy.ddp_options == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
 
 
 def test_gradients_are_bucket_views_by_default() -> None:
     # Faster with the same numerics (benchmarks/); the equivalence tests compare against DDP at its defaults.
-    assert EnvDDPStrategy()._ddp_kwargs == {"gradient_as_bucket_view": True}
-    assert "gradient_as_bucket_view" not in EnvDDPStrategy(gradient_as_bucket_view=False)._ddp_kwargs
+    assert EnvDDPStrategy().ddp_options == {"gradient_as_bucket_view": True}
+    assert "gradient_as_bucket_view" not in EnvDDPStrategy(gradient_as_bucket_view=False).ddp_options
 
 
 def test_without_launcher_it_is_one_process_on_the_default_device() -> None:
@@ -146,7 +146,7 @@ def test_strategy_instance_gets_the_same_checks(two_ranks: None) -> None:
 
 def test_only_changed_ddp_options_are_passed_on() -> None:
     strategy = EnvDDPStrategy(static_graph=True, bucket_cap_mb=50, gradient_as_bucket_view=False, init_sync=False)
-    assert strategy._ddp_kwargs == {"static_graph": True, "bucket_cap_mb": 50, "init_sync": False}
+    assert strategy.ddp_options == {"static_graph": True, "bucket_cap_mb": 50, "init_sync": False}
 
 
 def test_misspelled_ddp_option_is_caught_before_any_launch() -> None:

@@ -104,6 +104,23 @@ def supports_device(amp: ModuleType, device_type: str) -> bool:
     return device_type == "cuda" or bool(getattr(amp, "supports_cpu", False))
 
 
+def _explain_set_to_none(apex_zero_grad: Callable[[], None]) -> Callable[..., None]:
+    """apex O2's ``zero_grad`` takes no arguments; torch's ``set_to_none`` gets an answer instead of a TypeError."""
+
+    def zero_grad(set_to_none: bool | None = None) -> None:
+        if set_to_none:
+            raise PrecisionConfigurationError(
+                "set_to_none",
+                True,
+                "apex O2's optimizer.zero_grad() takes no set_to_none: it zeroes the fp16 model gradients in place"
+                " and drops the fp32 master gradients itself",
+                "call optimizer.zero_grad() (or zero_grad(set_to_none=False)) under apex O2",
+            )
+        apex_zero_grad()
+
+    return zero_grad
+
+
 class ApexAmp:
     """The apex calls :class:`~lightning_ddp_amp.AmpPrecision` makes.
 
@@ -144,6 +161,8 @@ class ApexAmp:
             lazy_init = getattr(optimizer, "_amp_lazy_init", None)
             if callable(lazy_init):
                 lazy_init()
+            if self.opt_level == "O2":
+                optimizer.zero_grad = _explain_set_to_none(optimizer.zero_grad)  # type: ignore[method-assign]
         # apex replaces optimizer.step in place after the schedulers were built; its step still calls the one
         # the schedulers wrapped, so every schedule stays correct and torch's warning about it is a false alarm.
         warnings.filterwarnings("ignore", message=_OVERRIDDEN_STEP_WARNING, category=UserWarning)

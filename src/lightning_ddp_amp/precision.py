@@ -120,6 +120,24 @@ class AmpPrecision(Precision):
         self._stepping = False
         self._cast_batch_for_apex = False
 
+    def __repr__(self) -> str:
+        return f"AmpPrecision(backend={self.backend!r}, opt_level={self.opt_level!r})"
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the optimizer steps fp32 master copies of half-precision model weights (apex O2).
+
+        apex's ``zero_grad`` then detaches each model gradient in place, which EnvDDPStrategy takes into account.
+        """
+        return self._apex is not None and self.opt_level == "O2"
+
+    @property
+    def model_dtype(self) -> torch.dtype | None:
+        """The dtype the selected modules' weights, and so their gradients, are cast to; None when they stay fp32."""
+        if self._apex is not None:
+            return torch.float16 if self.opt_level in ("O2", "O3") else None
+        return self.dtype if self.opt_level == "O3" else None
+
     def _resolve_backend(self, backend: str) -> str:
         if backend != "auto":
             return backend

@@ -103,7 +103,8 @@ class EnvDDPStrategy(DDPStrategy):
         gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default (None): True with torch's DDP,
             unlike torch's own default: gradients live in DDP's communication buckets instead of being copied
             into them, which is faster and uses less memory with the same numerics (``benchmarks/``). Code that
-            calls ``detach_()`` on ``param.grad`` needs False.
+            calls ``detach_()`` on ``param.grad`` needs False, so under a precision plugin with fp32 master
+            weights (apex O2, whose ``zero_grad`` does that) the default is False, and True is an error.
         bucket_cap_mb: Passed to ``DistributedDataParallel``.
         broadcast_buffers: Passed to ``DistributedDataParallel``.
         ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
@@ -161,14 +162,16 @@ class EnvDDPStrategy(DDPStrategy):
         requested = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
-            "gradient_as_bucket_view": (ddp_impl == "torch")
-            if gradient_as_bucket_view is None
-            else gradient_as_bucket_view,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
             "bucket_cap_mb": bucket_cap_mb,
             "broadcast_buffers": broadcast_buffers,
         }
-        changed: dict[str, Any] = {name: value for name, value in requested.items() if value != _DDP_DEFAULTS[name]}
+        # None means "not set": gradient_as_bucket_view's default waits for the precision plugin (ddp_options).
+        changed: dict[str, Any] = {
+            name: value for name, value in requested.items() if value is not None and value != _DDP_DEFAULTS[name]
+        }
         self._apex_ddp = _apex_ddp_class(ddp_impl, [*changed, *(["ddp_comm_hook"] if ddp_comm_hook else [])])
+        self._gradient_as_bucket_view = gradient_as_bucket_view
         _check_ddp_kwargs(self._apex_ddp or DistributedDataParallel, ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
@@ -200,6 +203,17 @@ class EnvDDPStrategy(DDPStrategy):
     def topology(self) -> Topology:
         """What the launcher set up (validated in ``__init__``)."""
         return self._topology
+
+    @property
+    def ddp_options(self) -> dict[str, Any]:
+        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
+        default for ``gradient_as_bucket_view`` decided against the precision plugin."""
+        options = dict(self._ddp_kwargs)
+        if self._apex_ddp is None and self._gradient_as_bucket_view is None:
+            options["gradient_as_bucket_view"] = not _master_weights(self.precision_plugin)
+        if options.get("gradient_as_bucket_view") is False:
+            del options["gradient_as_bucket_view"]
+        return options
 
     @property
     @override
@@ -238,9 +252,11 @@ class EnvDDPStrategy(DDPStrategy):
 
         Raises:
             TopologyMismatchError: an explicit value contradicts the launcher.
-            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``.
+            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
+                precision plugin cannot train with (:meth:`_check_precision_plugin`).
         """
         self._shard_dataloaders = use_distributed_sampler
+        self._check_precision_plugin()
         if self.exact_eval and not use_distributed_sampler:
             raise StrategyConfigurationError(
                 "exact_eval",
@@ -286,6 +302,38 @@ class EnvDDPStrategy(DDPStrategy):
         if requested is not None and isinstance(self.accelerator, CUDAAccelerator):
             self._requested_cuda_indices = [device.index for device in requested]
             self._devices = None
+
+    def _check_precision_plugin(self) -> None:
+        """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
+
+        Raises:
+            StrategyConfigurationError: ``gradient_as_bucket_view=True`` with fp32 master weights, or a gradient
+                compression hook on a model whose gradients are already half precision.
+        """
+        plugin = self.precision_plugin
+        if self._gradient_as_bucket_view and self._apex_ddp is None and _master_weights(plugin):
+            raise StrategyConfigurationError(
+                "gradient_as_bucket_view",
+                True,
+                f"under {plugin} apex's optimizer.zero_grad() detaches every model gradient in place"
+                " (param.grad.detach_()), which torch refuses on DDP's bucket views (\"Can't detach views in-place\")",
+                "drop gradient_as_bucket_view=True (envddp leaves it off for apex O2), or use opt_level='O1'",
+            )
+        half = getattr(plugin, "model_dtype", None)
+        compression = _compression_dtype(self._ddp_comm_hook, self._ddp_comm_wrapper)
+        if half is not None and compression is not None:
+            name = "ddp_comm_wrapper" if self._ddp_comm_wrapper is not None else "ddp_comm_hook"
+            effect = (
+                "compresses nothing"
+                if compression == half
+                else f"would round them to {_dtype_name(compression)}, losing precision without saving any bytes"
+            )
+            raise StrategyConfigurationError(
+                name,
+                "fp16" if compression == torch.float16 else "bf16",
+                f"under {plugin} the model's gradients are already {_dtype_name(half)}, so the hook {effect}",
+                f"drop {name}: DDP already communicates these gradients in {_dtype_name(half)}",
+            )
 
     def _requested_devices(self, devices: list[int] | str | int) -> list[torch.device] | None:
         """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
@@ -483,6 +531,12 @@ class EnvDDPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
+        self._ddp_kwargs = self.ddp_options
+        if self._apex_ddp is None and self._gradient_as_bucket_view is None and _master_weights(self.precision_plugin):
+            _log_once(
+                f"envddp: gradient_as_bucket_view stays off under {self.precision_plugin}: apex's zero_grad detaches"
+                " each model gradient in place, which DDP's bucket views do not allow"
+            )
         self.model = self._setup_model(self.model)
         self._register_ddp_hooks()
 
@@ -566,6 +620,25 @@ class EnvDDPStrategy(DDPStrategy):
             description="envddp with `find_unused_parameters=True`",
             find_unused_parameters=True,
         )
+
+
+def _master_weights(plugin: Precision) -> bool:
+    # AmpPrecision says so for apex O2; duck-typed, since the precision module imports this one.
+    return bool(getattr(plugin, "master_weights", False))
+
+
+def _compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
+    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
+    for candidate in (wrapper, hook):
+        if candidate in (default_hooks.fp16_compress_hook, default_hooks.fp16_compress_wrapper):
+            return torch.float16
+        if candidate in (default_hooks.bf16_compress_hook, default_hooks.bf16_compress_wrapper):
+            return torch.bfloat16
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _epoch_progress(trainer: Any) -> tuple[int, int]:
