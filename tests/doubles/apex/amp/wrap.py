@@ -1,0 +1,231 @@
+"""TEST DOUBLE of ``apex/amp/wrap.py`` and ``apex/amp/utils.py``: the wrappers O1 puts around torch functions.
+
+Type tests compare ``tensor.type()`` endings (``'HalfTensor'``, ``'FloatTensor'``), which, as in apex, do not
+depend on the device; casts happen only on the double's device (apex: only on CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import test_only
+from ._amp_state import _amp_state, on_amp_device
+
+CastFn = Callable[[Any], Any]
+
+
+# --- utils.py ---------------------------------------------------------------------------------------------------
+
+
+def _is_nested(x: Any) -> bool:
+    return isinstance(x, (tuple, list))
+
+
+def is_fp_tensor(x: Any) -> bool:
+    """utils.py ``is_fp_tensor``: a floating tensor, or a tuple/list made only of them."""
+    if _is_nested(x):
+        return all(is_fp_tensor(y) for y in x)
+    return torch.is_tensor(x) and torch.is_floating_point(x)
+
+
+def type_string(x: torch.Tensor) -> str:
+    return x.type().split(".")[-1]
+
+
+def should_cache(x: Any) -> bool:
+    """utils.py ``should_cache``: fp32 Parameters (the weights) are cast once per iteration."""
+    if _is_nested(x):
+        return all(should_cache(y) for y in x)
+    return isinstance(x, torch.nn.Parameter) and type_string(x) == "FloatTensor"
+
+
+def collect_fp_tensor_types(args: Any, kwargs: dict[str, Any]) -> set[str]:
+    types: set[str] = set()
+
+    def collect(x: Any) -> None:
+        if _is_nested(x):
+            for y in x:
+                collect(y)
+        else:
+            types.add(type_string(x))
+
+    for x in [*args, *kwargs.values()]:
+        if is_fp_tensor(x):
+            collect(x)
+    return types
+
+
+def maybe_half(x: Any) -> Any:
+    """utils.py ``maybe_half``: fp16 copy of a tensor on the double's device that is not fp16 already."""
+    if _is_nested(x):
+        return type(x)([maybe_half(y) for y in x])
+    if not on_amp_device(x) or type_string(x) == "HalfTensor":
+        return x
+    return x.half()
+
+
+def maybe_float(x: Any) -> Any:
+    """utils.py ``maybe_float``: fp32 copy of a tensor on the double's device that is not fp32 already."""
+    if _is_nested(x):
+        return type(x)([maybe_float(y) for y in x])
+    if not on_amp_device(x) or type_string(x) == "FloatTensor":
+        return x
+    return x.float()
+
+
+def casted_args(cast_fn: CastFn, args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """utils.py ``casted_args``: cast the floating tensor arguments; returns the new args, casts kwargs in place."""
+    new_args = [cast_fn(x) if is_fp_tensor(x) else x for x in args]
+    for key, value in kwargs.items():
+        if is_fp_tensor(value):
+            kwargs[key] = cast_fn(value)
+    return new_args
+
+
+def cached_cast(cast_fn: CastFn, x: torch.Tensor, cache: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """utils.py ``cached_cast``: a weight's cast is reused until ``scale_loss`` clears the cache.
+
+    On a hit with gradients on, apex checks that the cached copy still derives from the weight by reading
+    ``grad_fn.next_functions[1]``. torch 1.12 and later give a cast one next function, so the check raises
+    IndexError (apex issue #1228, PR #1282 unmerged in 25.05): under O1 a weight used twice between two
+    ``scale_loss`` calls fails, in apex as here.
+    """
+    if x in cache:
+        cached = cache[x]
+        if x.requires_grad and cached.requires_grad and cached.grad_fn.next_functions[1][0].variable is not x:
+            raise RuntimeError(
+                "x and cache[x] both require grad, but x is not cache[x]'s parent.  This is likely an error."
+            )
+        # A cast made under no_grad is dropped when gradients are on again (not while they are off).
+        if torch.is_grad_enabled() and x.requires_grad != cached.requires_grad:
+            del cache[x]
+        else:
+            return cached
+    cache[x] = cast_fn(x)
+    return cache[x]
+
+
+def set_func_save(handle: Any, mod: Any, fn: str, new_fn: Callable[..., Any]) -> None:
+    """utils.py ``set_func_save``: patch ``mod.fn`` and remember what it was (on the handle, and on the wrapper
+    for :func:`~apex.amp.test_only.unpatch_torch_for_tests`)."""
+    current = getattr(mod, fn)
+    handle._save_func(mod, fn, current)
+    test_only.mark_replacement(new_fn, mod, fn, current)
+    setattr(mod, fn, new_fn)
+
+
+# --- wrap.py ----------------------------------------------------------------------------------------------------
+
+
+def make_cast_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn, handle: Any, try_caching: bool = False) -> Any:
+    @functools.wraps(orig_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not handle.is_active():
+            return orig_fn(*args, **kwargs)
+        if try_caching and handle.has_cache:
+            args = tuple(cached_cast(cast_fn, a, handle.cache) if should_cache(a) else a for a in args)
+            for key, value in kwargs.items():
+                if should_cache(value):
+                    kwargs[key] = cached_cast(cast_fn, value, handle.cache)
+        return orig_fn(*casted_args(cast_fn, args, kwargs), **kwargs)
+
+    return wrapper
+
+
+def cached_cast_function(mod: Any, fn: str, cast_fn: CastFn, handle: Any, try_caching: bool = False) -> None:
+    """wrap.py ``cached_cast``: ``mod.fn`` casts its floating arguments (fp16 ones through the weight cache)."""
+    if hasattr(mod, fn):
+        set_func_save(handle, mod, fn, make_cast_wrapper(getattr(mod, fn), cast_fn, handle, try_caching))
+
+
+def make_promote_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn) -> Any:
+    @functools.wraps(orig_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _amp_state.handle.is_active():
+            return orig_fn(*args, **kwargs)
+        types = collect_fp_tensor_types(args, kwargs)
+        if len(types) <= 1:
+            return orig_fn(*args, **kwargs)
+        if types == {"HalfTensor", "FloatTensor"}:
+            return orig_fn(*casted_args(cast_fn, args, kwargs), **kwargs)
+        raise NotImplementedError(f"Do not know how to handle these types to promote: {types}")
+
+    return wrapper
+
+
+def promote(mod: Any, fn: str, handle: Any) -> None:
+    """wrap.py ``promote``: mixed fp16/fp32 arguments are all cast to fp32; other mixes are an error."""
+    set_func_save(handle, mod, fn, make_promote_wrapper(getattr(mod, fn), maybe_float))
+
+
+def sequence_promote(mod: Any, fn: str, handle: Any) -> None:
+    """wrap.py ``sequence_promote``: the same for a sequence argument (``torch.cat``, ``torch.stack``)."""
+    orig_fn = getattr(mod, fn)
+
+    @functools.wraps(orig_fn)
+    def wrapper(seq: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _amp_state.handle.is_active():
+            return orig_fn(seq, *args, **kwargs)
+        types = {type_string(x) for x in seq}
+        if types == {"HalfTensor", "FloatTensor"}:
+            return orig_fn(casted_args(maybe_float, seq, {}), *args, **kwargs)
+        return orig_fn(seq, *args, **kwargs)
+
+    set_func_save(handle, mod, fn, wrapper)
+
+
+def promote_match_arg0(mod: Any, fn: str, handle: Any) -> None:
+    """wrap.py ``promote_match_arg0``: an in-place method casts its other arguments to its tensor's type."""
+    if not hasattr(mod, fn):
+        return
+    orig_fn = getattr(mod, fn)
+
+    @functools.wraps(orig_fn)
+    def wrapper(arg0: Any, *args: Any, **kwargs: Any) -> Any:
+        assert torch.is_tensor(arg0)
+        if not _amp_state.handle.is_active():
+            return orig_fn(arg0, *args, **kwargs)
+        if type_string(arg0) == "HalfTensor":
+            cast_fn = maybe_half
+        elif type_string(arg0) == "FloatTensor":
+            cast_fn = maybe_float
+        else:
+            return orig_fn(arg0, *args, **kwargs)
+        return orig_fn(arg0, *casted_args(cast_fn, args, kwargs), **kwargs)
+
+    set_func_save(handle, mod, fn, wrapper)
+
+
+def err_if_any_half(mod: Any, fn: str, handle: Any, custom_err_msg: str | None = None) -> None:
+    """wrap.py ``err_if_any_half``: an error for any fp16 argument, whether casts are active or not."""
+    if not hasattr(mod, fn):
+        return
+    orig_fn = getattr(mod, fn)
+
+    @functools.wraps(orig_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "HalfTensor" in collect_fp_tensor_types(args, kwargs):
+            raise NotImplementedError(custom_err_msg or f"Cannot call in-place function {fn} with fp16 arguments.")
+        return orig_fn(*args, **kwargs)
+
+    set_func_save(handle, mod, fn, wrapper)
+
+
+def err_if_arg0_half(mod: Any, fn: str, handle: Any) -> None:
+    """wrap.py ``err_if_arg0_half``: an in-place fp32-list method on an fp16 tensor is an error."""
+    if not hasattr(mod, fn):
+        return
+    orig_fn = getattr(mod, fn)
+
+    @functools.wraps(orig_fn)
+    def wrapper(arg0: Any, *args: Any, **kwargs: Any) -> Any:
+        assert torch.is_tensor(arg0)
+        if type_string(arg0) == "HalfTensor":
+            raise NotImplementedError(f"Cannot call in-place method {fn} on fp16 Tensors.")
+        return orig_fn(arg0, *casted_args(maybe_float, args, kwargs), **kwargs)
+
+    set_func_save(handle, mod, fn, wrapper)

@@ -1,0 +1,627 @@
+"""The apex test double (tests/doubles/apex) behaves as NVIDIA apex 25.05 does, including where apex bites.
+
+Plain torch models and optimizers, no Lightning. Each test takes the double freshly imported from the
+``apex_double`` fixture (``apex.amp``), which undoes O1's patching of torch afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from conftest import CPU_FP16_MISSING, DOUBLES, free_port, needs_cpu_fp16
+
+F = torch.nn.functional
+
+pytestmark = pytest.mark.filterwarnings("ignore:apex.*is deprecated:FutureWarning")
+
+
+def model_and_optimizer(seed: int = 0, momentum: float = 0.0) -> tuple[torch.nn.Sequential, torch.optim.SGD]:
+    """Linear, BatchNorm, Linear: fp16 and fp32 parameters under O2."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+
+
+def initialize(amp: ModuleType, models: Any, optimizers: Any = None, **options: Any) -> Any:
+    return amp.initialize(models, optimizers, verbosity=0, **options)
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 4, generator=generator), torch.randn(6, 1, generator=generator)
+
+
+def backward(amp: ModuleType, model: torch.nn.Module, optimizer: Any, scale_by: float = 1.0, **kwargs: Any) -> None:
+    """One forward and one backward inside ``amp.scale_loss``; ``scale_by=inf`` makes the gradients overflow."""
+    x, y = batch()
+    loss = F.mse_loss(model(x).float(), y) * scale_by
+    with amp.scale_loss(loss, optimizer, **kwargs) as scaled:
+        scaled.backward()
+
+
+def loss_scales(amp: ModuleType) -> list[float]:
+    return [entry["loss_scale"] for entry in amp.state_dict().values()]
+
+
+# --- O2: an fp16 model, fp32 master weights ---------------------------------------------------------------------
+
+
+@needs_cpu_fp16
+def test_o2_casts_the_model_to_fp16_and_keeps_batchnorm_fp32(apex_double: ModuleType) -> None:
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    assert [p.dtype for p in model[0].parameters()] == [torch.float16] * 2
+    assert [p.dtype for p in model[1].parameters()] == [torch.float32] * 2
+    assert [p.dtype for p in model[2].parameters()] == [torch.float16] * 2
+
+
+@needs_cpu_fp16
+def test_o2_without_keep_batchnorm_fp32_casts_batchnorm_too(apex_double: ModuleType) -> None:
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O2", keep_batchnorm_fp32=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert model[1].running_mean.dtype == torch.float16
+
+
+@needs_cpu_fp16
+def test_o2_masters_are_separate_fp32_copies_of_the_fp16_params(apex_double: ModuleType) -> None:
+    model, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    optimizer.zero_grad()  # apex builds the masters lazily: here, or at the first backward
+    fp16 = [p for p in model.parameters() if p.dtype == torch.float16]
+    masters = [m for m in apex_double.master_params(optimizer) if all(m is not p for p in model.parameters())]
+    assert len(masters) == len(fp16) == 4
+    for master, param in zip(masters, fp16, strict=True):
+        assert master.dtype == torch.float32
+        assert torch.equal(master, param.float())
+
+
+@needs_cpu_fp16
+def test_o2_step_copies_each_master_into_its_fp16_model_param(apex_double: ModuleType) -> None:
+    model, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O2", loss_scale=128.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    backward(apex_double, model, optimizer)
+    optimizer.step()
+    fp16 = [p for p in model.parameters() if p.dtype == torch.float16]
+    masters = [m for m in apex_double.master_params(optimizer) if all(m is not p for p in model.parameters())]
+    assert all(torch.equal(param, master.half()) for param, master in zip(fp16, masters, strict=True))
+    assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+@needs_cpu_fp16
+def test_o2_step_clears_the_master_gradients(apex_double: ModuleType) -> None:
+    model, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O2", loss_scale=128.0)
+    backward(apex_double, model, optimizer)
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in apex_double.master_params(optimizer))
+    optimizer.step()
+    assert [m for m in optimizer._amp_stash.all_fp32_from_fp16_params if m.grad is not None] == []
+
+
+@needs_cpu_fp16
+def test_o2_zero_grad_fails_on_a_gradient_that_is_a_view_as_apex_does(apex_double: ModuleType) -> None:
+    model, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    weight = model[0].weight
+    # What torch DDP's gradient_as_bucket_view does: the gradient is a view into a bigger communication bucket.
+    bucket = torch.zeros(weight.numel() + 8, dtype=weight.dtype)
+    weight.grad = bucket[: weight.numel()].view_as(weight)
+    with pytest.raises(RuntimeError, match="Can't detach views in-place"):
+        optimizer.zero_grad()
+
+
+@needs_cpu_fp16
+def test_o2_zero_grad_takes_no_set_to_none(apex_double: ModuleType) -> None:
+    _, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    with pytest.raises(TypeError, match="set_to_none"):
+        optimizer.zero_grad(set_to_none=True)
+
+
+@needs_cpu_fp16
+def test_o2_step_rejects_a_closure(apex_double: ModuleType) -> None:
+    _, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    with pytest.raises(RuntimeError, match="Amp does not support closure use with optimizers"):
+        optimizer.step(lambda: 0.0)
+
+
+@needs_cpu_fp16
+def test_o2_forward_casts_inputs_to_fp16_and_outputs_to_fp32(apex_double: ModuleType) -> None:
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].dtype))
+    output = model(batch()[0])
+    assert (seen, output.dtype) == ([torch.float16], torch.float32)
+
+
+@needs_cpu_fp16
+def test_o2_cast_model_outputs_chooses_the_output_dtype(apex_double: ModuleType) -> None:
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O2", cast_model_outputs=torch.float16)
+    assert model(batch()[0]).dtype == torch.float16
+
+
+@needs_cpu_fp16
+def test_o2_state_dict_holds_fp32_tensors(apex_double: ModuleType) -> None:
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    assert {v.dtype for v in model.state_dict().values() if v.is_floating_point()} == {torch.float32}
+
+
+@needs_cpu_fp16
+def test_o2_moves_existing_optimizer_state_to_the_fp32_masters(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer(momentum=0.9)
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()  # momentum buffers exist before amp.initialize
+    model, optimizer = initialize(apex_double, model, optimizer, opt_level="O2")
+    optimizer.zero_grad()
+    masters = list(apex_double.master_params(optimizer))
+    assert {id(key) for key in optimizer.state} == {id(master) for master in masters}
+    assert {optimizer.state[m]["momentum_buffer"].dtype for m in masters} == {torch.float32}
+
+
+@needs_cpu_fp16
+def test_o2_add_param_group_adds_fp32_masters_of_fp16_params(apex_double: ModuleType) -> None:
+    _, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    extra = torch.nn.Linear(2, 2).half()
+    optimizer.add_param_group({"params": extra.parameters()})
+    added = optimizer.param_groups[-1]["params"]
+    assert [p.dtype for p in added] == [torch.float32, torch.float32]
+    assert all(a is not p for a in added for p in extra.parameters())
+
+
+# --- O1: torch functions patched for the process ---------------------------------------------------------------
+
+
+@needs_cpu_fp16
+def test_o1_linear_computes_in_fp16(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert F.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.float16
+
+
+@needs_cpu_fp16
+def test_o1_softmax_computes_in_fp32(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert F.softmax(torch.ones(2, 3, dtype=torch.float16), dim=1).dtype == torch.float32
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("call", ["torch.add", "Tensor.__add__", "torch.cat"])
+def test_o1_promotes_mixed_fp16_and_fp32_arguments_to_fp32(apex_double: ModuleType, call: str) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    half, single = torch.ones(2, dtype=torch.float16), torch.ones(2)
+    promoted = {
+        "torch.add": lambda: torch.add(half, single),
+        "Tensor.__add__": lambda: half + single,
+        "torch.cat": lambda: torch.cat([half, single]),
+    }[call]()
+    assert promoted.dtype == torch.float32
+
+
+@needs_cpu_fp16
+def test_o1_leaves_the_model_weights_fp32(apex_double: ModuleType) -> None:
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@needs_cpu_fp16
+def test_o1_scale_loss_clears_the_cache_of_cast_weights(apex_double: ModuleType) -> None:
+    model, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    backward(apex_double, model, optimizer)
+    assert apex_double._amp_state.handle.cache == {}
+
+
+@needs_cpu_fp16
+def test_o1_a_weight_used_twice_between_scale_loss_calls_fails_as_in_apex(apex_double: ModuleType) -> None:
+    # apex 25.05's cache check reads grad_fn.next_functions[1], which a cast has not had since torch 1.12.
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    model(batch()[0])
+    with pytest.raises(IndexError, match="tuple index out of range"):
+        model(batch()[0])
+
+
+@needs_cpu_fp16
+def test_o1_optimizer_step_runs_with_casts_disabled(apex_double: ModuleType) -> None:
+    seen: list[torch.dtype] = []
+
+    class Probe(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            seen.append(F.linear(torch.ones(1, 2), torch.ones(1, 2)).dtype)
+            return super().step(closure)
+
+    model, _ = model_and_optimizer()
+    model, optimizer = initialize(apex_double, model, Probe(model.parameters(), lr=0.1), opt_level="O1")
+    optimizer.step()
+    assert (seen, F.linear(torch.ones(1, 2), torch.ones(1, 2)).dtype) == ([torch.float32], torch.float16)
+
+
+@needs_cpu_fp16
+def test_unpatch_torch_for_tests_puts_back_the_original_functions(apex_double: ModuleType) -> None:
+    originals = (F.linear, torch.cat, torch.Tensor.__add__, torch.Tensor.sum)
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert F.linear is not originals[0]
+    apex_double.unpatch_torch_for_tests()
+    assert (F.linear, torch.cat, torch.Tensor.__add__, torch.Tensor.sum) == originals
+    assert F.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.float32
+
+
+# --- the loss scaler ---------------------------------------------------------------------------------------------
+
+
+def scalar_model(amp: ModuleType, **options: Any) -> tuple[torch.nn.Parameter, torch.optim.SGD]:
+    """One fp32 weight, fp32 compute (O0) with the loss scaling given: thousands of steps cost well under a second."""
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    initialize(amp, torch.nn.ParameterList([weight]), optimizer, opt_level="O0", **options)
+    return weight, optimizer
+
+
+def clean_steps(amp: ModuleType, weight: torch.Tensor, optimizer: Any, steps: int) -> None:
+    for _ in range(steps):
+        with amp.scale_loss(weight.sum(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_a_dynamic_loss_scale_starts_at_2_to_the_16(apex_double: ModuleType) -> None:
+    scalar_model(apex_double, loss_scale="dynamic")
+    assert loss_scales(apex_double) == [2.0**16]
+
+
+def test_a_dynamic_loss_scale_starts_at_max_loss_scale_when_that_is_lower(apex_double: ModuleType) -> None:
+    scalar_model(apex_double, loss_scale="dynamic", max_loss_scale=1024.0)
+    assert loss_scales(apex_double) == [1024.0]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_gradient_skips_the_step_and_halves_the_scale(apex_double: ModuleType, bad: float) -> None:
+    model, optimizer = model_and_optimizer()
+    model, optimizer = initialize(apex_double, model, optimizer, opt_level="O0", loss_scale="dynamic")
+    before = [p.detach().clone() for p in model.parameters()]
+    backward(apex_double, model, optimizer, scale_by=bad)
+    optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert loss_scales(apex_double) == [2.0**15]
+
+
+def test_the_skip_replaces_only_the_next_step(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer()
+    model, optimizer = initialize(apex_double, model, optimizer, opt_level="O0", loss_scale="dynamic")
+    backward(apex_double, model, optimizer, scale_by=float("inf"))
+    optimizer.step()
+    before = model[2].weight.detach().clone()
+    optimizer.zero_grad()
+    backward(apex_double, model, optimizer)
+    optimizer.step()
+    assert not torch.equal(before, model[2].weight)
+
+
+def test_the_scale_doubles_after_2000_clean_steps_and_not_before(apex_double: ModuleType) -> None:
+    weight, optimizer = scalar_model(apex_double, loss_scale="dynamic")
+    clean_steps(apex_double, weight, optimizer, 1999)
+    assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**16, "unskipped": 1999}
+    clean_steps(apex_double, weight, optimizer, 1)
+    assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**17, "unskipped": 0}
+
+
+def test_the_scale_never_grows_past_max_loss_scale(apex_double: ModuleType) -> None:
+    weight, optimizer = scalar_model(apex_double, loss_scale="dynamic", max_loss_scale=1024.0)
+    clean_steps(apex_double, weight, optimizer, 2000)
+    assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 1024.0, "unskipped": 0}
+
+
+def test_an_overflow_never_halves_the_scale_below_min_loss_scale(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer()
+    model, optimizer = initialize(
+        apex_double, model, optimizer, opt_level="O0", loss_scale="dynamic", min_loss_scale=2.0**16
+    )
+    backward(apex_double, model, optimizer, scale_by=float("inf"))
+    assert loss_scales(apex_double) == [2.0**16]
+
+
+def test_each_loss_has_its_own_scaler(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer()
+    model, optimizer = initialize(apex_double, model, optimizer, opt_level="O0", loss_scale="dynamic", num_losses=2)
+    backward(apex_double, model, optimizer, loss_id=0)
+    backward(apex_double, model, optimizer, scale_by=float("inf"), loss_id=1)
+    assert loss_scales(apex_double) == [2.0**16, 2.0**15]
+
+
+def test_a_static_loss_scale_of_one_never_checks_for_overflow(apex_double: ModuleType) -> None:
+    # apex's short cut without master weights: nothing is unscaled or checked, so nothing is skipped.
+    model, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O0")
+    backward(apex_double, model, optimizer, scale_by=float("inf"))
+    optimizer.step()
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    assert [e for e in apex_double.events if e["event"] in ("overflow", "skipped_step")] == []
+
+
+def test_delay_unscale_leaves_the_gradients_scaled_until_a_later_scale_loss(apex_double: ModuleType) -> None:
+    weight, optimizer = scalar_model(apex_double, loss_scale=128.0)
+    with apex_double.scale_loss(weight.sum() * 3, optimizer, delay_unscale=True) as scaled:
+        scaled.backward()
+    assert weight.grad.tolist() == [3.0 * 128]
+    with apex_double.scale_loss(weight.sum() * 5, optimizer) as scaled:
+        scaled.backward()
+    assert weight.grad.tolist() == [8.0]
+
+
+def test_gradients_from_earlier_backwards_are_stashed_and_added_back(apex_double: ModuleType) -> None:
+    weight, optimizer = scalar_model(apex_double, loss_scale=128.0)
+    for factor in (3, 5):
+        with apex_double.scale_loss(weight.sum() * factor, optimizer) as scaled:
+            scaled.backward()
+    assert weight.grad.tolist() == [8.0]
+
+
+def test_state_dict_has_apex_format(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer()
+    initialize(apex_double, model, optimizer, opt_level="O0", loss_scale="dynamic", num_losses=2)
+    state = apex_double.state_dict()
+    assert type(state) is OrderedDict
+    assert state == {
+        "loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0},
+        "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 0},
+    }
+    assert type(state["loss_scaler0"]["loss_scale"]) is float and type(state["loss_scaler0"]["unskipped"]) is int
+
+
+def test_state_dict_before_initialize_fails_as_in_apex(apex_double: ModuleType) -> None:
+    with pytest.raises(AttributeError, match="loss_scalers"):
+        apex_double.state_dict()
+
+
+def test_load_state_dict_takes_the_entries_in_order_and_skips_extra_ones(apex_double: ModuleType) -> None:
+    scalar_model(apex_double, loss_scale="dynamic")
+    apex_double.load_state_dict(
+        {"loss_scaler7": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler0": {"loss_scale": 4.0, "unskipped": 1}}
+    )
+    assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 8.0, "unskipped": 3}
+
+
+def test_load_state_dict_refuses_other_keys_after_loading_the_scalers(apex_double: ModuleType) -> None:
+    scalar_model(apex_double, loss_scale="dynamic")
+    with pytest.raises(RuntimeError, match='Unexpected key\\(s\\) in state_dict: "scale"'):
+        apex_double.load_state_dict({"scale": 2.0, "loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}})
+    assert loss_scales(apex_double) == [8.0]
+
+
+# --- initialize ---------------------------------------------------------------------------------------------------
+
+SHAPES = {
+    "model, optimizer": (False, False),
+    "model, [optimizer]": (False, True),
+    "[model], optimizer": (True, False),
+    "[model], [optimizer]": (True, True),
+    "model, None": (False, None),
+    "[model], None": (True, None),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_initialize_returns_what_it_was_given_in_the_same_shape(apex_double: ModuleType, shape: str) -> None:
+    model, optimizer = model_and_optimizer()
+    models_as_list, optimizers_as_list = SHAPES[shape]
+    models = [model] if models_as_list else model
+    optimizers = None if optimizers_as_list is None else [optimizer] if optimizers_as_list else optimizer
+    returned = initialize(apex_double, models, optimizers, opt_level="O0")
+    expected = models if optimizers is None else (models, optimizers)
+    assert returned == expected
+
+
+WRAPPERS = {
+    "torch.nn.parallel.DistributedDataParallel": torch.nn.parallel.DistributedDataParallel,
+    "torch.nn.parallel.DataParallel": torch.nn.DataParallel,
+    "apex.parallel.DistributedDataParallel": None,
+}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_initialize_refuses_a_model_already_wrapped_for_data_parallel(apex_double: ModuleType, wrapper: str) -> None:
+    from apex.parallel import DistributedDataParallel as ApexDDP
+
+    cls = WRAPPERS[wrapper] or ApexDDP
+    wrapped = cls.__new__(cls)  # only its type matters: amp.initialize refuses it before touching it
+    with pytest.raises(RuntimeError, match=f"^Incoming model is an instance of {wrapper}. Parallel wrappers"):
+        initialize(apex_double, wrapped, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+
+
+def test_initialize_refuses_cpu_parameters_when_supports_cpu_is_off(
+    apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(apex_double, "supports_cpu", False)  # as real apex: CUDA only
+    with pytest.raises(
+        RuntimeError, match=r"^Found param 0\.weight with type torch\.FloatTensor, expected torch\.cuda"
+    ):
+        initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+
+
+def test_initialize_refuses_a_model_already_in_fp16(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(RuntimeError, match=r"you do not need to call \.half\(\) on your model"):
+        initialize(apex_double, model.half(), optimizer, opt_level="O2")
+
+
+def test_initialize_refuses_an_optimizer_passed_twice(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer()
+    initialize(apex_double, model, optimizer, opt_level="O0")
+    with pytest.raises(RuntimeError, match=r"A given optimizer should only be passed through amp\.initialize once"):
+        initialize(apex_double, model, optimizer, opt_level="O0")
+
+
+def test_a_second_initialize_is_allowed_as_in_apex(apex_double: ModuleType) -> None:
+    # apex documents one call per process but does not enforce it; each call resets the loss scalers.
+    initialize(apex_double, *model_and_optimizer(), opt_level="O0", loss_scale=8.0)
+    initialize(apex_double, *model_and_optimizer(), opt_level="O0", loss_scale=4.0)
+    assert loss_scales(apex_double) == [4.0]
+
+
+def test_initialize_refuses_an_unknown_opt_level(apex_double: ModuleType) -> None:
+    with pytest.raises(RuntimeError, match=r"^Unexpected optimization level O4\."):
+        initialize(apex_double, *model_and_optimizer(), opt_level="O4")
+
+
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [
+        ({"keep_batchnorm_fp32": True}, "With opt_level O1, batchnorm functions are automatically patched"),
+        ({"master_weights": True}, "It doesn't make sense to use master_weights with O1"),
+        ({"cast_model_type": torch.float16}, "O1 inserts casts around Torch functions rather than model weights"),
+    ],
+)
+def test_o1_refuses_options_that_cast_the_model(apex_double: ModuleType, option: dict[str, Any], words: str) -> None:
+    with pytest.raises(RuntimeError, match=words):
+        initialize(apex_double, *model_and_optimizer(), opt_level="O1", **option)
+
+
+def test_initialize_warns_that_apex_amp_is_deprecated(apex_double: ModuleType) -> None:
+    with pytest.warns(FutureWarning, match="apex.amp is deprecated"):
+        initialize(apex_double, *model_and_optimizer(), opt_level="O0")
+
+
+def test_scale_loss_before_initialize_is_an_error(apex_double: ModuleType) -> None:
+    with (
+        pytest.raises(RuntimeError, match="internal Amp state has not been initialized"),
+        apex_double.scale_loss(torch.ones(1), []),
+    ):
+        pass
+
+
+# --- apex.parallel.DistributedDataParallel on two real ranks (gloo) -----------------------------------------------
+
+
+#: The wrappers each rank builds: name -> (parameter dtype, DistributedDataParallel options). A message_size of 1
+#: gives the weight and the bias a bucket each.
+DDP_SETUPS = {
+    "float32": (torch.float32, {"message_size": 1}),
+    "float16": (torch.float16, {}),
+    "delayed": (torch.float32, {"delay_allreduce": True}),
+}
+
+
+def _apex_ddp_rank(rank: int, port: int, out: str) -> None:
+    """One rank: wrap rank-specific models in apex's DDP, record what each backward leaves in the gradients."""
+    sys.path.insert(0, str(DOUBLES))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    from apex.parallel import DistributedDataParallel
+
+    record: dict[str, Any] = {}
+    for name, (dtype, options) in DDP_SETUPS.items():
+        if dtype == torch.float16 and CPU_FP16_MISSING:
+            continue
+        x = torch.full((2, 3), float(rank + 1), dtype=dtype)
+        torch.manual_seed(rank)  # different weights on each rank
+        model = torch.nn.Linear(3, 2).to(dtype)
+        model.register_buffer("marker", torch.full((1,), float(rank)))
+        ddp = DistributedDataParallel(model, **options)
+        record[f"{name}/params"] = [p.detach().clone() for p in model.parameters()]
+        record[f"{name}/marker"] = model.marker.clone()
+        for attempt in ("first", "second"):  # the first backward builds the buckets, the second uses them
+            model.zero_grad(set_to_none=True)
+            ddp(x).sum().backward()
+            record[f"{name}/grads/{attempt}"] = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        ddp.disable_allreduce()
+        ddp(x).sum().backward()
+        ddp.enable_allreduce()
+        record[f"{name}/grads/disabled"] = [p.grad.clone() for p in model.parameters()]
+        if name == "float32":
+            loss = ddp(x).sum()
+            loss.backward(retain_graph=True)
+            try:
+                loss.backward()
+            except RuntimeError as error:
+                record["second backward without a forward"] = str(error)
+    path = Path(out) / f"rank{rank}.pt"
+    torch.save(record, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)  # complete once it exists
+    torch.distributed.barrier()  # both records are saved before either rank tears gloo down
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def apex_ddp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Two ranks of :func:`_apex_ddp_rank`, started once; a hang fails after two minutes.
+
+    The ranks are judged by the records they saved: gloo's teardown can abort a process after its work is done.
+    """
+    out = tmp_path_factory.mktemp("apex_ddp")
+    records = [out / f"rank{rank}.pt" for rank in (0, 1)]
+    context = torch.multiprocessing.spawn(_apex_ddp_rank, args=(free_port(), str(out)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail("the two apex DDP ranks did not finish within 120 s")
+    except torch.multiprocessing.ProcessExitedException:
+        if not all(record.exists() for record in records):
+            raise
+    return [torch.load(record) for record in records]
+
+
+def expected_grads(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """The gradients one rank computes alone, with rank 0's weights and its own input."""
+    model = torch.nn.Linear(3, 2).to(params[0].dtype)
+    with torch.no_grad():
+        for mine, theirs in zip(model.parameters(), params, strict=True):
+            mine.copy_(theirs)
+    model(torch.full((2, 3), float(rank + 1), dtype=params[0].dtype)).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_apex_ddp_broadcasts_rank_zeros_parameters_at_construction(apex_ddp_ranks: list[dict[str, Any]]) -> None:
+    rank0, rank1 = apex_ddp_ranks
+    assert all(torch.equal(a, b) for a, b in zip(rank0["float32/params"], rank1["float32/params"], strict=True))
+
+
+@pytest.mark.multiprocess
+def test_apex_ddp_does_not_broadcast_buffers(apex_ddp_ranks: list[dict[str, Any]]) -> None:
+    assert [r["float32/marker"].item() for r in apex_ddp_ranks] == [0.0, 1.0]
+
+
+def assert_averaged(apex_ddp_ranks: list[dict[str, Any]], setup: str, attempt: str) -> None:
+    params = apex_ddp_ranks[0][f"{setup}/params"]
+    mean = [(a + b) / 2 for a, b in zip(expected_grads(params, 0), expected_grads(params, 1), strict=True)]
+    for record in apex_ddp_ranks:
+        for grad, expected in zip(record[f"{setup}/grads/{attempt}"], mean, strict=True):
+            assert grad.dtype == expected.dtype
+            torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("attempt", ["first", "second"])
+def test_apex_ddp_averages_gradients_over_the_ranks(apex_ddp_ranks: list[dict[str, Any]], attempt: str) -> None:
+    assert_averaged(apex_ddp_ranks, "float32", attempt)
+
+
+@pytest.mark.multiprocess
+@needs_cpu_fp16
+def test_apex_ddp_averages_fp16_gradients_on_gloo(apex_ddp_ranks: list[dict[str, Any]]) -> None:
+    assert_averaged(apex_ddp_ranks, "float16", "second")
+
+
+@pytest.mark.multiprocess
+def test_apex_ddp_with_delay_allreduce_averages_at_the_end_of_each_backward(
+    apex_ddp_ranks: list[dict[str, Any]],
+) -> None:
+    assert_averaged(apex_ddp_ranks, "delayed", "second")
+
+
+@pytest.mark.multiprocess
+def test_apex_ddp_with_allreduce_disabled_keeps_each_ranks_gradients(apex_ddp_ranks: list[dict[str, Any]]) -> None:
+    params = apex_ddp_ranks[0]["float32/params"]
+    for rank, record in enumerate(apex_ddp_ranks):
+        for grad, expected in zip(record["float32/grads/disabled"], expected_grads(params, rank), strict=True):
+            torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.multiprocess
+def test_apex_ddp_refuses_a_second_backward_without_a_forward(apex_ddp_ranks: list[dict[str, Any]]) -> None:
+    for record in apex_ddp_ranks:
+        assert "attempting to replace an already-filled bucket slot" in record["second backward without a forward"]
