@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,13 +87,60 @@ def _forget_apex(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def apex_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """The apex test double as ``apex``, freshly imported (its amp may be initialized once per process)."""
+    """The apex test double as ``apex``, freshly imported, returned as ``apex.amp``.
+
+    Like apex, the double's O1 patches torch for the rest of the process; at teardown its test-only
+    ``unpatch_torch_for_tests()`` puts torch back (every copy's patches, if the test imported the double again).
+    """
     _forget_apex(monkeypatch)
     monkeypatch.syspath_prepend(str(DOUBLES))
     import apex.amp
 
     yield apex.amp
+    apex.amp.unpatch_torch_for_tests()
     _forget_apex(monkeypatch)
+
+
+def cpu_fp16_missing() -> str | None:
+    """What this torch lacks to compute in float16 on the CPU, or None when it has it all (torch 2.3 and later).
+
+    A probe, not a version check: it runs an fp16 linear, conv2d and bmm, a linear under
+    ``torch.autocast("cpu", dtype=torch.float16)``, and builds ``torch.amp.GradScaler("cpu")``.
+    """
+    half = torch.float16
+
+    def autocast_linear() -> torch.Tensor:
+        # torch 2.1 warns and disables CPU autocast for float16 instead of raising: the dtype tells.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast("cpu", dtype=half):
+                return torch.nn.functional.linear(torch.ones(2, 2), torch.ones(2, 2))
+
+    def ones(*shape: int) -> torch.Tensor:
+        return torch.ones(*shape, dtype=half)
+
+    probes = {
+        "fp16 linear": lambda: torch.nn.functional.linear(ones(2, 2), ones(2, 2)),
+        "fp16 conv2d": lambda: torch.nn.functional.conv2d(ones(1, 1, 3, 3), ones(1, 1, 2, 2)),
+        "fp16 bmm": lambda: torch.bmm(ones(1, 2, 2), ones(1, 2, 2)),
+        'torch.autocast("cpu", dtype=torch.float16)': autocast_linear,
+        'torch.amp.GradScaler("cpu")': lambda: torch.amp.GradScaler("cpu").scale(torch.ones(1)),
+    }
+    missing = []
+    for name, probe in probes.items():
+        try:
+            if probe().dtype != (torch.float32 if "GradScaler" in name else half):
+                missing.append(name)
+        except Exception:  # whatever this torch raises for an operation it lacks
+            missing.append(name)
+    if not missing:
+        return None
+    return f"this torch ({torch.__version__}) lacks CPU float16: {', '.join(missing)}; torch 2.3 and later have it"
+
+
+CPU_FP16_MISSING = cpu_fp16_missing()
+#: For tests that compute in float16 on the CPU: the apex double's O1/O2/O3, native fp16 AMP.
+needs_cpu_fp16 = pytest.mark.skipif(CPU_FP16_MISSING is not None, reason=CPU_FP16_MISSING or "")
 
 
 @pytest.fixture
@@ -198,6 +246,29 @@ def finish(process: subprocess.Popen[str], timeout: float) -> subprocess.Complet
 def check(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     assert result.returncode == 0, f"exit code {result.returncode}:\n{result.stdout[-6000:]}"
     return result
+
+
+def run_reference(
+    torchrun: Torchrun,
+    script: str,
+    *args: str,
+    out: Path,
+    saves: str = "reference.pt",
+    timeout: float = 180,
+    **kwargs: object,
+) -> Path:
+    """Run a hand-written reference worker with ``--out out`` and return the file it saves there.
+
+    A reference is judged by what it saved, not by its exit code: torch's gloo teardown can abort a process after
+    its work is done ("terminate called without an active exception"). The workers write ``saves`` atomically, so
+    its presence means it is complete; without it, the run failed. The package's own runs stay strict: ``check``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    result = torchrun.run(script, "--out", str(out), *args, timeout=timeout, **kwargs)
+    saved = out / saves
+    if not saved.exists():
+        pytest.fail(f"{script} saved no {saves} (exit code {result.returncode}):\n{result.stdout[-6000:]}")
+    return saved
 
 
 @pytest.fixture(scope="session")

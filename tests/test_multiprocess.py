@@ -20,6 +20,7 @@ from conftest import (
     finish,
     free_port,
     max_abs_difference,
+    run_reference,
     start_python,
     worker_env,
 )
@@ -47,7 +48,8 @@ def launch(torchrun: Torchrun, tmp: Path, script: str, *args: str, **kwargs: Any
 @pytest.fixture(scope="module")
 def recipe(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plain-PyTorch recipe, 2 ranks, 4 samples per rank per step."""
-    return launch(torchrun, tmp_path_factory.mktemp("recipe") / "out", "train_recipe.py", "--batch-size", "4")
+    out = tmp_path_factory.mktemp("recipe") / "out"
+    return run_reference(torchrun, "train_recipe.py", "--batch-size", "4", out=out, saves="weights.pt").parent
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,33 @@ def envddp_split(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -
 def scenarios(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Several Trainers, one after another, on the same 2 ranks (see workers/scenarios.py)."""
     return reports(launch(torchrun, tmp_path_factory.mktemp("scenarios") / "out", "scenarios.py"))
+
+
+#: A reference worker's save: the temporary file first, then renamed into place (what makes it atomic).
+WRITE_TEMPORARY = """
+import os, sys
+path = os.path.join(sys.argv[sys.argv.index("--out") + 1], "reference.pt")
+with open(path + ".tmp", "w") as f:
+    f.write("complete")
+"""
+RENAME = "os.replace(path + '.tmp', path)\n"
+#: As torch's gloo teardown sometimes ends a process that has done its work.
+ABORT = "os.abort()\n"
+
+
+def test_a_reference_that_aborts_after_saving_is_judged_by_what_it_saved(torchrun: Torchrun, tmp_path: Path) -> None:
+    script = tmp_path / "saves_then_aborts.py"
+    script.write_text(WRITE_TEMPORARY + RENAME + ABORT)
+    saved = run_reference(torchrun, str(script), out=tmp_path / "out", nproc=1, timeout=60)
+    assert saved.read_text() == "complete"
+
+
+def test_a_reference_that_aborts_before_its_save_is_complete_fails(torchrun: Torchrun, tmp_path: Path) -> None:
+    script = tmp_path / "aborts_while_saving.py"
+    script.write_text(WRITE_TEMPORARY + ABORT)
+    with pytest.raises(pytest.fail.Exception, match=r"saved no reference\.pt"):
+        run_reference(torchrun, str(script), out=tmp_path / "out", nproc=1, timeout=60)
+    assert (tmp_path / "out" / "reference.pt.tmp").exists()
 
 
 def test_envddp_ends_with_the_recipes_weights(recipe: Path, envddp: Path) -> None:
@@ -169,7 +198,9 @@ def test_resume_continues_from_the_checkpoint(scenarios: list[dict[str, Any]]) -
 
 
 def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(torchrun: Torchrun, tmp_path: Path) -> None:
-    recipe4 = launch(torchrun, tmp_path / "recipe4", "train_recipe.py", "--batch-size", "4", nproc=4)
+    recipe4 = run_reference(
+        torchrun, "train_recipe.py", "--batch-size", "4", out=tmp_path / "recipe4", saves="weights.pt", nproc=4
+    ).parent
     out = tmp_path / "nodes"
     out.mkdir()
     port = free_port()

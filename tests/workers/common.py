@@ -1,5 +1,8 @@
 """Model, data and hyper-parameters shared by the plain recipe and the Lightning workers."""
 
+import os
+from typing import Any
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -28,3 +31,9 @@ def train_set() -> TensorDataset:
 
 def val_set() -> TensorDataset:
     return dataset(VAL_SIZE, seed=2)
+
+
+def save_complete(obj: Any, path: str) -> None:
+    """``torch.save`` through a temporary file: once ``path`` exists it is complete (see conftest.run_reference)."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)

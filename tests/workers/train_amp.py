@@ -1,7 +1,8 @@
 """Two sub-models and one optimizer, the classic apex recipe, under Trainer(strategy="envddp", precision=...).
 
 Each rank writes OUT/rank<RANK>.json: what the precision plugin did (the apex double's event log when apex is the
-test double), the loss-scaler state right after a resume, the LR scheduler's progress; rank 0 saves the weights.
+test double), the loss-scaler state right after a resume, the LR scheduler's progress; rank 0 saves the weights, and
+OUT/amp_state.pt with the keys of the hand-written references (train_apex_recipe.py, train_native_recipe.py).
 """
 
 import argparse
@@ -31,6 +32,10 @@ parser.add_argument("--checkpoint", action="store_true", help="save the last che
 parser.add_argument("--resume", default=None, help="checkpoint to resume from")
 args = parser.parse_args()
 out = Path(args.out)
+if args.accelerator == "cuda":
+    # As the hand-written references do on a GPU, so that a pair can be compared bit for bit.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def apex_events() -> list[dict[str, Any]]:
@@ -56,6 +61,7 @@ class TwoModels(L.LightningModule):
         self.model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
         self.model_b = torch.nn.Linear(16, 1)
         self.hidden_dtypes: set[str] = set()
+        self.param_dtype = ""
         self.skipped = 0
         self.at_start: dict[str, Any] = {}
         self.wrapper = ""
@@ -77,6 +83,7 @@ class TwoModels(L.LightningModule):
         self.at_start = {"precision_state": self.trainer.precision_plugin.state_dict(), "global_step": self.global_step}
 
     def on_train_end(self) -> None:
+        self.param_dtype = str(self.model_a[0].weight.dtype)
         wrapper = type(self.trainer.model)
         self.wrapper = f"{wrapper.__module__}.{wrapper.__qualname__}"
 
@@ -133,4 +140,21 @@ report = {
 }
 (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report, default=str))
 if trainer.is_global_zero:
-    torch.save({k: v.float().cpu() for k, v in model.state_dict().items()}, out / "weights.pt")
+    state = {k: v.float().cpu() for k, v in model.state_dict().items()}
+    torch.save(state, out / "weights.pt")
+    amp_state: dict[str, Any] = {
+        "model": state,
+        "skipped": model.skipped,
+        "param_dtype": model.param_dtype,
+        "hidden_dtypes": sorted(model.hidden_dtypes),
+    }
+    plugin = trainer.precision_plugin
+    if isinstance(plugin, AmpPrecision) and plugin.backend == "apex":
+        from apex import amp
+
+        optimizer = trainer.optimizers[0]
+        amp_state["master_params"] = [p.detach().cpu() for p in amp.master_params(optimizer)]
+        amp_state["amp"] = dict(amp.state_dict())
+    elif isinstance(plugin, AmpPrecision):
+        amp_state["scaler"] = plugin.state_dict()["grad_scaler"]
+    torch.save(amp_state, out / "amp_state.pt")

@@ -1,6 +1,6 @@
 """The classic hand-written recipe: torchrun, init_process_group, DistributedSampler + set_epoch, DDP.
 
-Run under torchrun; rank 0 saves the final weights to OUT/weights.pt.
+Run under torchrun; rank 0 saves the final weights to OUT/weights.pt (atomically: if it exists, it is complete).
 """
 
 import argparse
@@ -8,7 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import LR, SEED, build_net, train_set
+from common import LR, SEED, build_net, save_complete, train_set
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -47,6 +47,8 @@ for epoch in range(args.epochs):
         optimizer.step()
 
 if rank == 0:
-    torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, os.path.join(args.out, "weights.pt"))
+    # Written atomically: tests accept a reference by the file alone, even when torch's teardown aborts afterwards.
+    path = os.path.join(args.out, "weights.pt")
+    save_complete({k: v.cpu() for k, v in model.module.state_dict().items()}, path)
 dist.barrier()
 dist.destroy_process_group()

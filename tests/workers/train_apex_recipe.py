@@ -1,0 +1,105 @@
+"""The classic apex recipe, by hand: the reference AmpPrecision is compared with (tests/test_apex_reference.py).
+
+Plain torch and apex's public API, no Lightning: amp.initialize on both sub-models and the optimizer, then one DDP
+per sub-model, backward inside amp.scale_loss, and the LR schedule held on a step the loss scaler skipped. The
+model, data, loss and schedule are train_amp.py's.
+
+Run under torchrun; rank 0 saves OUT/reference.pt (written atomically: if it exists, it is complete).
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from apex import amp
+from common import LR, SEED, save_complete, train_set
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--opt-level", required=True, choices=["O0", "O1", "O2", "O3"])
+parser.add_argument("--ddp-impl", default="torch", choices=["torch", "apex"])
+parser.add_argument("--overflow-at-step", type=int, default=-1, help="multiply the loss by inf at this step")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--cuda", action="store_true", help="NCCL on cuda:LOCAL_RANK instead of gloo on the CPU")
+args = parser.parse_args()
+
+rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+if args.cuda:
+    # cuBLAS reads this when CUDA starts; without it deterministic algorithms refuse to run matmuls.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl")
+else:
+    device = torch.device("cpu")
+    dist.init_process_group("gloo")
+
+# train_amp.py's TwoModels: the same seed, the same order of construction.
+torch.manual_seed(SEED)
+model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()).to(device)
+model_b = torch.nn.Linear(16, 1).to(device)
+optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=LR)
+
+[model_a, model_b], optimizer = amp.initialize([model_a, model_b], optimizer, opt_level=args.opt_level)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+if args.ddp_impl == "apex":
+    from apex.parallel import DistributedDataParallel as ApexDDP
+
+    model_a, model_b = ApexDDP(model_a), ApexDDP(model_b)
+else:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device_ids = [local_rank] if args.cuda else None
+    model_a, model_b = DDP(model_a, device_ids=device_ids), DDP(model_b, device_ids=device_ids)
+
+dataset = train_set()
+sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
+loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+
+
+def loss_scale() -> float:
+    return float(amp.state_dict()["loss_scaler0"]["loss_scale"])
+
+
+step = skipped = 0
+hidden_dtypes = set()
+for epoch in range(args.epochs):
+    sampler.set_epoch(epoch)
+    for x, y, _ in loader:
+        x, y = x.to(device), y.to(device)
+        optimizer.zero_grad()
+        hidden = model_a(x)
+        hidden_dtypes.add(str(hidden.dtype))
+        loss = torch.nn.functional.mse_loss(model_b(hidden).float(), y)
+        if step == args.overflow_at_step:
+            loss = loss * float("inf")
+        scale_before = loss_scale()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        # apex keeps no public record of a skipped step; its loss scale backs off exactly when it skips one.
+        if loss_scale() < scale_before:
+            skipped += 1
+        else:
+            scheduler.step()
+        step += 1
+
+if rank == 0:
+    model = {f"model_a.{k}": v for k, v in model_a.module.state_dict().items()}
+    model.update({f"model_b.{k}": v for k, v in model_b.module.state_dict().items()})
+    reference = {
+        "model": {k: v.float().cpu() for k, v in model.items()},
+        "master_params": [p.detach().cpu() for p in amp.master_params(optimizer)],
+        "amp": dict(amp.state_dict()),
+        "skipped": skipped,
+        "param_dtype": str(next(model_a.module.parameters()).dtype),
+        "hidden_dtypes": sorted(hidden_dtypes),
+    }
+    path = os.path.join(args.out, "reference.pt")
+    save_complete(reference, path)
+dist.barrier()
+dist.destroy_process_group()
