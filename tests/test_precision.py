@@ -3,6 +3,7 @@ with the native backend and with the apex test double (tests/doubles/apex)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -11,7 +12,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import Flavour
+from conftest import Flavour, _forget_apex, needs_cpu_fp16
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import (
@@ -274,6 +276,7 @@ def test_apex_ddp_rejects_torch_ddp_options(apex_double: ModuleType) -> None:
 # --- native backend on the CPU --------------------------------------------------------------------------------
 
 
+@needs_cpu_fp16
 def test_native_o1_runs_fp16_autocast_with_a_scaler_on_the_cpu(no_apex: None) -> None:
     model = TwoModels()
     t = fit(model, precision="amp-O1")
@@ -285,6 +288,7 @@ def test_native_o1_runs_fp16_autocast_with_a_scaler_on_the_cpu(no_apex: None) ->
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@needs_cpu_fp16
 def test_native_scaler_counts_every_step_without_overflow(no_apex: None) -> None:
     # A scale of 1024 leaves fp16 room: no step overflows, so every step grows the scaler's tracker.
     t = fit(TwoModels(), plugins=[AmpPrecision(backend="native", max_loss_scale=1024.0)])
@@ -305,6 +309,7 @@ def test_native_o0_is_fp32(no_apex: None) -> None:
     assert model.hidden_dtypes == {torch.float32}
 
 
+@needs_cpu_fp16
 def test_native_o3_casts_the_selected_modules_as_apex_would(no_apex: None) -> None:
     model = TwoModels(amp_models=False)
     fit(model, plugins=[AmpPrecision(opt_level="O3", backend="native", models=["model_a"])])
@@ -313,6 +318,7 @@ def test_native_o3_casts_the_selected_modules_as_apex_would(no_apex: None) -> No
     assert model.hidden_dtypes == {torch.float32}  # model_a ran in fp16; apex casts its output back to fp32
 
 
+@needs_cpu_fp16
 def test_native_o3_of_the_whole_module_casts_the_batch(no_apex: None) -> None:
     model = TwoModels(amp_models=False)
     assert fit(model, precision="amp-O3").precision == "16-true"
@@ -320,23 +326,32 @@ def test_native_o3_of_the_whole_module_casts_the_batch(no_apex: None) -> None:
     assert model.hidden_dtypes == model.output_dtypes == {torch.float16}
 
 
+@needs_cpu_fp16
 def test_native_cast_model_outputs(no_apex: None) -> None:
     model = TwoModels()
     fit(model, plugins=[AmpPrecision(cast_model_outputs="float32")])
     assert model.hidden_dtypes == {torch.float32}  # the selected modules' outputs, cast back under autocast
 
 
-def test_native_max_loss_scale_caps_the_scaler(no_apex: None) -> None:
-    t = fit(TwoModels(), plugins=[AmpPrecision(max_loss_scale=1024.0)])
-    assert t.precision_plugin.native.scaler.get_scale() <= 1024.0
+@needs_cpu_fp16
+def test_native_max_loss_scale_caps_the_scalers_growth(no_apex: None) -> None:
+    # The scale starts at the cap, four clean steps short of GradScaler's growth interval (2000): the fifth of
+    # the eight steps would double it.
+    plugin = AmpPrecision(max_loss_scale=1024.0)
+    t = trainer(plugins=[plugin])
+    plugin.load_state_dict({"backend": "native", "loss_scalers": [{"loss_scale": 1024.0, "unskipped": 1996}]})
+    t.fit(TwoModels(), DataLoader(DATA, batch_size=4))
+    assert plugin.state_dict()["loss_scalers"] == [{"loss_scale": 1024.0, "unskipped": 4}]
 
 
+@needs_cpu_fp16
 def test_native_min_loss_scale_floors_the_scaler_after_an_overflow(no_apex: None) -> None:
     t = fit(TwoModels(overflow_at_step=3), plugins=[AmpPrecision(min_loss_scale=256.0, max_loss_scale=256.0)])
     assert t.precision_plugin.native.scaler.get_scale() == 256.0  # halved by the overflow, then floored
     assert t.lr_scheduler_configs[0].scheduler.last_epoch == 7
 
 
+@needs_cpu_fp16
 def test_native_runs_under_lightnings_own_ddp(no_apex: None) -> None:
     import torch.distributed as dist
 
@@ -358,6 +373,7 @@ def test_lbfgs_works_where_nothing_is_scaled(no_apex: None) -> None:
     assert fit(WithLBFGS(), precision="amp-O0").global_step == 8
 
 
+@needs_cpu_fp16
 def test_lbfgs_with_loss_scaling_is_an_error(no_apex: None) -> None:
     class WithLBFGS(TwoModels):
         def configure_optimizers(self) -> Any:
@@ -367,6 +383,7 @@ def test_lbfgs_with_loss_scaling_is_an_error(no_apex: None) -> None:
         fit(WithLBFGS(), precision="amp-O1")
 
 
+@needs_cpu_fp16
 def test_native_overflow_skips_the_step_and_holds_the_schedule(no_apex: None) -> None:
     model = TwoModels(overflow_at_step=3)
     t = fit(model, plugins=[AmpPrecision(max_loss_scale=256.0)])
@@ -377,6 +394,7 @@ def test_native_overflow_skips_the_step_and_holds_the_schedule(no_apex: None) ->
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@needs_cpu_fp16
 def test_native_scaler_state_survives_a_checkpoint(no_apex: None, tmp_path: Path) -> None:
     t = fit(TwoModels(overflow_at_step=1), plugins=[AmpPrecision(max_loss_scale=256.0)])
     t.save_checkpoint(tmp_path / "amp.ckpt")
@@ -405,6 +423,24 @@ def events(amp: ModuleType, kind: str) -> list[dict[str, Any]]:
     return [e for e in amp.events if e["event"] == kind]
 
 
+#: The double computes in fp16 as apex does: from apex's initial scale of 2**16, TwoModels' first gradients
+#: overflow. A ceiling of 1024 leaves fp16 room, so only the overflows a test injects skip steps.
+NO_NATURAL_OVERFLOW = {"max_loss_scale": 1024.0}
+
+
+def fresh_apex_double(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A new copy of the apex double, for a second amp.initialize in this process (lightning_ddp_amp allows one
+    per copy), with torch unpatched from the last copy's O1 first."""
+    import apex.amp
+
+    apex.amp.unpatch_torch_for_tests()
+    _forget_apex(monkeypatch)
+    import apex.amp as amp
+
+    return amp
+
+
+@needs_cpu_fp16
 def test_initialize_gets_the_sub_models_and_the_one_optimizer(apex_double: ModuleType) -> None:
     fit(TwoModels(), precision="apex-O1")
     (initialize,) = events(apex_double, "initialize")
@@ -413,11 +449,13 @@ def test_initialize_gets_the_sub_models_and_the_one_optimizer(apex_double: Modul
     assert initialize["opt_level"] == "O1"
 
 
+@needs_cpu_fp16
 def test_models_can_be_named_on_the_plugin(apex_double: ModuleType) -> None:
     fit(TwoModels(amp_models=False), plugins=[AmpPrecision(backend="apex", models=["model_b", "model_a"])])
     assert events(apex_double, "initialize")[0]["models"] == ["Linear", "Sequential"]
 
 
+@needs_cpu_fp16
 def test_default_is_the_lightning_module(apex_double: ModuleType) -> None:
     fit(TwoModels(amp_models=False), precision="apex-O1")
     assert events(apex_double, "initialize")[0]["models"] == ["TwoModels"]
@@ -435,6 +473,7 @@ def test_both_model_sources_conflict(apex_double: ModuleType) -> None:
         fit(TwoModels(), plugins=[AmpPrecision(backend="apex", models=["model_a"])])
 
 
+@needs_cpu_fp16
 def test_amp_initialize_options_reach_apex(apex_double: ModuleType) -> None:
     plugin = AmpPrecision(
         opt_level="O2",
@@ -458,6 +497,7 @@ def test_amp_initialize_options_reach_apex(apex_double: ModuleType) -> None:
     assert initialize["cast_model_outputs"] == "torch.float32"
 
 
+@needs_cpu_fp16
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_every_backward_runs_inside_scale_loss_and_steps_take_no_closure(apex_double: ModuleType, level: str) -> None:
     # The double's O2 optimizer.step() rejects a closure, as apex's does.
@@ -466,35 +506,69 @@ def test_every_backward_runs_inside_scale_loss_and_steps_take_no_closure(apex_do
     assert len(events(apex_double, "scale_loss")) == t.global_step == 8
 
 
+@needs_cpu_fp16
 def test_gradient_accumulation_delays_unscaling_until_the_last_micro_batch(apex_double: ModuleType) -> None:
     t = fit(TwoModels(), precision="apex-O1", accumulate_grad_batches=2)
     assert [e["delay_unscale"] for e in events(apex_double, "scale_loss")] == [True, False] * 4
     assert t.global_step == 4
 
 
-def test_manual_optimization_with_two_losses_matches_fp32(apex_double: ModuleType) -> None:
-    reference = TwoModels(manual_losses=2)
-    fit(reference, strategy="auto")
+def apex_loop_with_two_losses(amp: ModuleType) -> tuple[TwoModels, set[torch.dtype]]:
+    """TwoModels(manual_losses=2)'s training, written by hand with apex's API (O1, two loss scalers), no Lightning.
+
+    Returns the trained module and the dtypes its hidden layer produced.
+    """
+    module = TwoModels(manual_losses=2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    [model_a, model_b], optimizer = amp.initialize(
+        [module.model_a, module.model_b], optimizer, opt_level="O1", num_losses=2, verbosity=0
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    hidden_dtypes = set()
+    for x, y in DataLoader(DATA, batch_size=4):
+        optimizer.zero_grad()
+        hidden = model_a(x)
+        hidden_dtypes.add(hidden.dtype)
+        loss = torch.nn.functional.mse_loss(model_b(hidden).float(), y.float())
+        for loss_id in (0, 1):
+            with amp.scale_loss(loss / (loss_id + 1), optimizer, loss_id=loss_id) as scaled:
+                scaled.backward(retain_graph=loss_id == 0)
+        skipped = optimizer._amp_stash.already_patched  # apex's one-call skip after an overflow
+        optimizer.step()
+        if not skipped:
+            scheduler.step()
+    return module, hidden_dtypes
+
+
+@needs_cpu_fp16
+def test_manual_optimization_with_two_losses_matches_apex_by_hand(
+    apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = TwoModels(manual_losses=2)
     fit(model, plugins=[AmpPrecision(backend="apex", num_losses=2)])
     assert [e["loss_id"] for e in events(apex_double, "scale_loss")] == [0, 1] * 8
     assert apex_double.backward_outside_scale_loss() == 0
+    reference, reference_dtypes = apex_loop_with_two_losses(fresh_apex_double(monkeypatch))
+    assert model.hidden_dtypes == reference_dtypes == {torch.float16}
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine, theirs)
+        assert (mine - theirs).abs().max().item() <= 1e-6
 
 
+@needs_cpu_fp16
 def test_an_overflow_in_one_of_two_losses_still_skips_the_step(apex_double: ModuleType) -> None:
     model = TwoModels(manual_losses=2, overflow_at_step=3, overflow_loss_id=0)
-    t = fit(model, plugins=[AmpPrecision(backend="apex", num_losses=2)])
+    t = fit(model, plugins=[AmpPrecision(backend="apex", num_losses=2, **NO_NATURAL_OVERFLOW)])
     assert len(events(apex_double, "skipped_step")) == 1
     assert t.lr_scheduler_configs[0].scheduler.last_epoch == t.global_step - 1
 
 
+@needs_cpu_fp16
 def test_a_loss_id_beyond_num_losses_is_an_error(apex_double: ModuleType) -> None:
     with pytest.raises(PrecisionConfigurationError, match=r"^loss_id=1: AmpPrecision has num_losses=1 loss scaler"):
         fit(TwoModels(manual_losses=2), precision="apex-O1")
 
 
+@needs_cpu_fp16
 def test_manual_backward_can_name_its_optimizers(apex_double: ModuleType) -> None:
     class TwoOptimizers(TwoModels):
         def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -523,6 +597,7 @@ def test_static_loss_scale_of_one_never_reads_as_a_skip(apex_double: ModuleType)
     assert t.lr_scheduler_configs[0].scheduler.last_epoch == t.global_step == 8
 
 
+@needs_cpu_fp16
 def test_configure_amp_models_may_return_one_module(apex_double: ModuleType) -> None:
     model = TwoModels(amp_models=False)
     model.configure_amp_models = lambda: model.model_a
@@ -550,48 +625,148 @@ def test_apex_state_before_initialize_waits_for_it(apex_double: ModuleType) -> N
     assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 8.0, "unskipped": 3}
 
 
-def test_o2_master_weights_are_built_before_a_checkpoint_restores_the_optimizer(apex_double: ModuleType) -> None:
-    fit(TwoModels(), precision="apex-O2")
-    kinds = [e["event"] for e in apex_double.events]
-    assert kinds.index("initialize") < kinds.index("lazy_init") < kinds.index("scale_loss")
+@needs_cpu_fp16
+def test_o2_momentum_restored_from_a_checkpoint_is_fp32_on_the_master_weights(
+    apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # apex builds O2's fp32 master weights at the first backward. Lightning restores the optimizer before that,
+    # so unless the plugin builds them at once, the momentum lands on the fp16 params and is rounded to fp16.
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last")
+    plugin = AmpPrecision(opt_level="O2", backend="apex")
+    fit(TwoModels(), plugins=[plugin], callbacks=[checkpoint], enable_checkpointing=True)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    fresh_apex_double(monkeypatch)
+    restored: dict[str, Any] = {}
+
+    class Probe(TwoModels):
+        def on_train_start(self) -> None:
+            optimizer = self.trainer.optimizers[0]
+            restored["params"] = [p for group in optimizer.param_groups for p in group["params"]]
+            # Cloned: the epoch that follows updates the buffers in place.
+            restored["state"] = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+            restored["model"] = list(self.parameters())
+
+    resumed = trainer(max_epochs=2, plugins=[AmpPrecision(opt_level="O2", backend="apex")])
+    resumed.fit(Probe(), DataLoader(DATA, batch_size=4), ckpt_path=tmp_path / "last.ckpt")
+    masters = restored["params"]
+    assert {p.dtype for p in masters} == {torch.float32}
+    assert not any(m is p for m in masters for p in restored["model"])
+    assert set(restored["state"]) == {id(m) for m in masters}
+    for index, master in enumerate(masters):
+        buffer = restored["state"][id(master)]["momentum_buffer"]
+        assert buffer.dtype == torch.float32
+        assert torch.equal(buffer, saved[index]["momentum_buffer"])
 
 
-def test_skip_aware_scheduler_copies_and_forwards_attributes() -> None:
-    import copy
+@needs_cpu_fp16
+def test_o2_resume_restores_the_fp32_master_weights_not_their_fp16_copies(
+    apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # apex's own checkpoint has only the fp16-rounded weights: rebuilt from them, the masters lose their low bits.
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last")
+    first = fit(
+        TwoModels(),
+        plugins=[AmpPrecision(opt_level="O2", backend="apex")],
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
+    saved = [p.detach().clone() for p in apex_double.master_params(first.optimizers[0])]
+    assert any(not torch.equal(p, p.half().float()) for p in saved)
+    fresh_apex_double(monkeypatch)
+    restored: list[torch.Tensor] = []
 
+    class Probe(TwoModels):
+        def on_train_start(self) -> None:
+            restored.extend(
+                p.detach().clone() for group in self.trainer.optimizers[0].param_groups for p in group["params"]
+            )
+
+    resumed = trainer(max_epochs=2, plugins=[AmpPrecision(opt_level="O2", backend="apex")])
+    resumed.fit(Probe(), DataLoader(DATA, batch_size=4), ckpt_path=tmp_path / "last.ckpt")
+    assert len(restored) == len(saved)
+    for mine, theirs in zip(restored, saved, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_o2_master_weights_of_another_model_are_a_clear_error(apex_double: ModuleType) -> None:
+    plugin = AmpPrecision(opt_level="O2", backend="apex")
+    plugin.load_state_dict({"backend": "apex", "loss_scalers": [], "master_weights": [torch.zeros(3)]})
+    model = TwoModels()
+    with pytest.raises(PrecisionConfigurationError, match=r"^checkpoint='1 master weights': they do not fit"):
+        plugin.connect(model, [torch.optim.SGD(model.parameters(), lr=0.1)], [])
+
+
+def skip_aware_step_lr() -> Any:
     from lightning_ddp_amp.precision import SkipAwareScheduler
 
     optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
-    scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), lambda _: False)
-    copy.deepcopy(scheduler)
-    copy.copy(scheduler)
+    return SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), lambda _: False)
+
+
+def test_skip_aware_scheduler_sets_attributes_on_the_wrapped_scheduler() -> None:
+    scheduler = skip_aware_step_lr()
     scheduler.gamma = 0.25
     assert scheduler.scheduler.gamma == 0.25
 
 
+# torch's check that optimizer.step() ran first cannot follow a deep-copied optimizer: it warns on any copy.
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_a_deep_copy_of_a_skip_aware_scheduler_steps_and_changes_on_its_own() -> None:
+    scheduler = skip_aware_step_lr()
+    duplicate = copy.deepcopy(scheduler)
+    duplicate.step()
+    duplicate.gamma = 0.25
+    assert type(duplicate) is type(scheduler)
+    assert (duplicate.last_epoch, duplicate.get_last_lr(), duplicate.gamma) == (1, [0.5], 0.25)
+    assert (scheduler.last_epoch, scheduler.get_last_lr(), scheduler.gamma) == (0, [1.0], 0.5)
+
+
+def test_a_shallow_copy_of_a_skip_aware_scheduler_forwards_to_the_same_scheduler() -> None:
+    scheduler = skip_aware_step_lr()
+    duplicate = copy.copy(scheduler)
+    duplicate.optimizer.step()
+    duplicate.step()
+    assert type(duplicate) is type(scheduler)
+    assert duplicate.scheduler is scheduler.scheduler
+    assert (duplicate.gamma, duplicate.last_epoch, scheduler.last_epoch) == (0.5, 1, 1)
+
+
+@needs_cpu_fp16
 def test_apex_overflow_skips_the_step_and_holds_the_schedule(apex_double: ModuleType) -> None:
     model = TwoModels(overflow_at_step=3)
-    t = fit(model, precision="apex-O1")
+    t = fit(model, plugins=[AmpPrecision(backend="apex", **NO_NATURAL_OVERFLOW)])
     assert len(events(apex_double, "skipped_step")) == 1
     assert t.lr_scheduler_configs[0].scheduler.last_epoch == t.global_step - 1
-    assert t.precision_plugin.state_dict()["loss_scalers"] == [{"loss_scale": 32768.0, "unskipped": 4}]
+    assert t.precision_plugin.state_dict()["loss_scalers"] == [{"loss_scale": 512.0, "unskipped": 4}]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_gradient_clipping_uses_amp_master_params(apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    master_params = apex_double.master_params
+@needs_cpu_fp16
+def test_gradient_clipping_clips_the_fp32_master_gradients(apex_double: ModuleType) -> None:
+    # Under O2 the optimizer steps fp32 masters with their own gradients; clipping the fp16 model's gradients
+    # (scaled, and not what the step uses) would leave the masters' gradients as they were.
+    norms: list[tuple[float, float]] = []
 
-    def recording_master_params(optimizer: torch.optim.Optimizer) -> Any:
-        calls.append(type(optimizer).__name__)
-        return master_params(optimizer)
+    class Clipped(TwoModels):
+        def configure_gradient_clipping(
+            self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+        ) -> None:
+            masters = [p for group in optimizer.param_groups for p in group["params"]]
+            assert all(m.dtype == torch.float32 for m in masters)
+            assert not any(m is p for m in masters for p in self.parameters())
+            before = torch.cat([m.grad.flatten() for m in masters]).norm().item()
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            norms.append((before, torch.cat([m.grad.flatten() for m in masters]).norm().item()))
 
-    monkeypatch.setattr(apex_double, "master_params", recording_master_params)
-    t = fit(TwoModels(), precision="apex-O2", gradient_clip_val=0.5)
-    # Per step: the double's own scale_loss reads master_params twice (stash, unscale), clipping once more.
-    assert calls == ["SGD"] * 3 * t.global_step
+    clip = 0.05
+    plugin = AmpPrecision(opt_level="O2", backend="apex", **NO_NATURAL_OVERFLOW)
+    t = fit(Clipped(), plugins=[plugin], gradient_clip_val=clip)
+    assert len(norms) == t.global_step == 8
+    assert all(before > clip for before, _ in norms)  # every step had something to clip
+    assert all(after <= clip * (1 + 1e-6) for _, after in norms)
 
 
+@needs_cpu_fp16
 def test_a_second_fit_in_the_same_process_is_a_clear_error(apex_double: ModuleType) -> None:
     fit(TwoModels(), precision="apex-O1")
     with pytest.raises(PrecisionConfigurationError, match=r"^backend='apex': apex amp was already initialized"):
@@ -600,6 +775,7 @@ def test_a_second_fit_in_the_same_process_is_a_clear_error(apex_double: ModuleTy
 
 def test_a_native_checkpoint_carries_its_loss_scale_to_apex(apex_double: ModuleType) -> None:
     plugin = AmpPrecision(backend="apex")
-    plugin.connect(TwoModels(), [torch.optim.SGD(TwoModels().parameters(), lr=0.1)], [])
+    model = TwoModels()
+    plugin.connect(model, [torch.optim.SGD(model.parameters(), lr=0.1)], [])
     plugin.load_state_dict({"backend": "native", "loss_scalers": [{"loss_scale": 512.0, "unskipped": 7}]})
     assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 7}

@@ -135,6 +135,8 @@ class ApexAmp:
         self.opt_level = opt_level
         self.options = options
         self._pending_loss_scalers: list[dict[str, float]] | None = None
+        self._pending_master_weights: list[Tensor] | None = None
+        self._optimizers: list[Optimizer] = []
 
     @property
     def initialized(self) -> bool:
@@ -155,19 +157,22 @@ class ApexAmp:
             )
         self.amp.initialize(list(modules), list(optimizers), opt_level=self.opt_level, **self.options)
         _INITIALIZED.add(self.amp)
+        self._optimizers = list(optimizers)
         for optimizer in optimizers:
             # apex builds O2's fp32 master weights lazily, at the first backward. Build them now, so that an
             # optimizer state restored from a checkpoint is cast to the fp32 masters, not to the fp16 params.
             lazy_init = getattr(optimizer, "_amp_lazy_init", None)
             if callable(lazy_init):
                 lazy_init()
-            if self.opt_level == "O2":
+            if self.keeps_master_weights:
                 optimizer.zero_grad = _explain_set_to_none(optimizer.zero_grad)  # type: ignore[method-assign]
         # apex replaces optimizer.step in place after the schedulers were built; its step still calls the one
         # the schedulers wrapped, so every schedule stays correct and torch's warning about it is a false alarm.
         warnings.filterwarnings("ignore", message=_OVERRIDDEN_STEP_WARNING, category=UserWarning)
         if self._pending_loss_scalers is not None:
             self.load_loss_scalers(self._pending_loss_scalers)
+        if self._pending_master_weights is not None:
+            self.load_master_weights(self._pending_master_weights)
 
     def backward(
         self,
@@ -208,6 +213,45 @@ class ApexAmp:
             return
         self.amp.load_state_dict({f"loss_scaler{index}": dict(state) for index, state in enumerate(scalers)})
         self._pending_loss_scalers = None
+
+    @property
+    def keeps_master_weights(self) -> bool:
+        """Whether apex steps fp32 master copies of fp16 weights (O2)."""
+        return self.opt_level == "O2"
+
+    def master_weights(self) -> list[Tensor]:
+        """The fp32 master weights of every optimizer, in order; empty where apex keeps none.
+
+        apex's own checkpoints leave them out: a resume rebuilds them from the fp16 model weights, and so loses
+        every bit below fp16's precision. Saving them makes an O2 resume continue exactly.
+        """
+        if not self.initialized or not self.keeps_master_weights:
+            return list(self._pending_master_weights or [])
+        return [param.detach() for optimizer in self._optimizers for param in self.main_params(optimizer)]
+
+    def load_master_weights(self, saved: list[Tensor]) -> None:
+        """Copy saved fp32 master weights into apex's, after ``amp.initialize`` built them (until then it waits).
+
+        Raises:
+            PrecisionConfigurationError: the checkpoint's master weights do not fit this model.
+        """
+        if not self.initialized:
+            self._pending_master_weights = list(saved)
+            return
+        self._pending_master_weights = None
+        if not self.keeps_master_weights:
+            return
+        masters = [param for optimizer in self._optimizers for param in self.main_params(optimizer)]
+        shapes = [tuple(t.shape) for t in saved]
+        if shapes != [tuple(m.shape) for m in masters]:
+            raise PrecisionConfigurationError(
+                "checkpoint",
+                f"{len(saved)} master weights",
+                f"they do not fit this model's {len(masters)} apex O2 master weights (shapes {shapes[:3]}...)",
+                "resume from a checkpoint of this model and optimizer, or start without ckpt_path",
+            )
+        for master, value in zip(masters, saved, strict=True):
+            master.data.copy_(value)
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:

@@ -129,7 +129,7 @@ class AmpPrecision(Precision):
 
         apex's ``zero_grad`` then detaches each model gradient in place, which EnvDDPStrategy takes into account.
         """
-        return self._apex is not None and self.opt_level == "O2"
+        return self._apex is not None and self._apex.keeps_master_weights
 
     @property
     def model_dtype(self) -> torch.dtype | None:
@@ -420,11 +420,13 @@ class AmpPrecision(Precision):
         }
         if self._apex is None:
             state["grad_scaler"] = self.native.state_dict()
+        elif self.master_weights:
+            state["master_weights"] = self._apex.master_weights()
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the loss scale(s); apex after ``amp.initialize``, as apex requires.
+        """Restore the loss scale(s), and apex O2's fp32 master weights; apex after ``amp.initialize``, as it requires.
 
         A checkpoint written by the other backend carries over its loss scale, so a run can move between apex
         and native AMP.
@@ -438,6 +440,8 @@ class AmpPrecision(Precision):
             )
         if self._apex is not None:
             self._apex.load_loss_scalers(state_dict["loss_scalers"])
+            if "master_weights" in state_dict:
+                self._apex.load_master_weights(state_dict["master_weights"])
         elif state_dict["backend"] == "native" and state_dict.get("grad_scaler"):
             self.native.load_state_dict(state_dict["grad_scaler"])
         else:
