@@ -1,10 +1,15 @@
-"""GPU section: throughput of a small convolutional network in fp32, native AMP (fp16, bf16) and apex (O1, O2).
+"""GPU section: step time of a small convolutional network in fp32, native AMP (fp16, bf16) and apex (O1, O2, O3).
 
-    python benchmarks/gpu.py        # on a GPU machine: one torchrun per configuration, on every visible GPU
+    python benchmarks/gpu.py                  # on a GPU machine: about a minute, one process per configuration
+    python benchmarks/gpu.py --budget 120     # more time: the configurations the budget cuts off are listed
 
 Each configuration trains the same ResNet-style model on synthetic 3x64x64 images under
-Trainer(strategy="envddp"); apex rows appear only where NVIDIA apex (with apex.amp) is installed, each in a fresh
-process (apex allows one amp.initialize per process). Without CUDA it says so and exits 0.
+Trainer(strategy="envddp") on every visible GPU (torchrun with more than one), in a fresh process: apex allows one
+amp.initialize per process. The time of a step is the median interval between consecutive optimizer steps after
+warm-up, data loading included; "x fp32" divides it by the fp32 step. Apex rows appear where NVIDIA apex (with
+apex.amp) is importable; without its CUDA extensions apex runs its Python fallbacks (one host sync per gradient to
+check for overflow), and the results say so. Results are rewritten after every configuration, so a run cut short
+keeps the finished rows: results/gpu.json and gpu.md (--results elsewhere). Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from typing import Any
 
 import torch
 
-CONFIGS = ["32-true", "amp-O1:native", "bf16:native", "apex-O1", "apex-O2"]
+RESULTS = Path(__file__).parent / "results"
+CONFIGS = ["32-true", "fp16:native", "bf16:native", "apex-O1", "apex-O2", "apex-O3"]
+#: Distinct images in the synthetic set; drawing each of the thousands a run reads would take seconds.
+POOL = 512
 
 
 def model() -> torch.nn.Module:
@@ -40,9 +48,25 @@ def model() -> torch.nn.Module:
     )  # fmt: skip
 
 
-def train(config: str, steps: int, batch_size: int) -> dict[str, Any]:
+class Images(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``length`` labelled images, drawn in turn from a pool of ``POOL`` random ones."""
+
+    def __init__(self, length: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.images = torch.randn(POOL, 3, 64, 64, generator=generator)
+        self.labels = torch.randint(0, 100, (POOL,), generator=generator)
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index % POOL], self.labels[index % POOL]
+
+
+def train(config: str, steps: int, warmup: int, batch_size: int) -> dict[str, Any]:
     import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from lightning_ddp_amp import AmpPrecision
 
@@ -69,13 +93,10 @@ def train(config: str, steps: int, batch_size: int) -> dict[str, Any]:
 
     precision: Any = config
     plugins: list[Any] = []
-    if config == "amp-O1:native":
-        precision, plugins = None, [AmpPrecision(backend="native")]
-    elif config == "bf16:native":
-        precision, plugins = None, [AmpPrecision(backend="native", dtype="bfloat16")]
+    if config.endswith(":native"):
+        dtype = {"fp16": "float16", "bf16": "bfloat16"}[config.removesuffix(":native")]
+        precision, plugins = None, [AmpPrecision(backend="native", dtype=dtype)]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    images = torch.randn(batch_size * world * steps, 3, 64, 64)
-    labels = torch.randint(0, 100, (len(images),))
     trainer = L.Trainer(
         strategy="envddp",
         accelerator="cuda",
@@ -87,41 +108,106 @@ def train(config: str, steps: int, batch_size: int) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Module(), DataLoader(TensorDataset(images, labels), batch_size=batch_size, num_workers=2))
-    times = sorted(b - a for a, b in itertools.pairwise(ends[10:]))
+    images = Images(batch_size * world * steps)
+    trainer.fit(Module(), DataLoader(images, batch_size=batch_size, num_workers=2))
+    times = sorted(b - a for a, b in itertools.pairwise(ends[warmup:]))
     step = times[len(times) // 2]
     return {"config": config, "step_ms": 1000 * step, "images_per_s": batch_size * world / step}
+
+
+def apex_state() -> tuple[bool, str]:
+    """Whether apex.amp is importable, and how it runs: with its CUDA extensions or on its Python fallbacks."""
+    try:
+        import apex.amp  # noqa: F401
+        from apex.multi_tensor_apply import multi_tensor_applier
+    except ImportError as error:
+        return False, f"not importable ({error})"
+    return True, "CUDA extensions" if multi_tensor_applier.available else "Python fallbacks (no CUDA extensions)"
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    fp32 = next((row["step_ms"] for row in rows if row["config"] == "32-true" and "step_ms" in row), None)
+    lines = [
+        f"{meta['gpus']} x {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}), Lightning {meta['lightning']};"
+        f" apex: {meta['apex']}. Batch {meta['batch_size']} per GPU, median of {meta['steps'] - meta['warmup'] - 1}"
+        " step intervals after warm-up.",
+        "",
+        "| precision | step (ms) | x fp32 | images/s |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['config']} | n/a | | {row['error']} |")
+        else:
+            ratio = f"{row['step_ms'] / fp32:.2f}" if fp32 else "n/a"
+            lines.append(f"| {row['config']} | {row['step_ms']:.1f} | {ratio} | {row['images_per_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_config(config: str, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """One configuration in a fresh process (torchrun on more than one GPU); its RESULT line, or what went wrong."""
+    gpus = torch.cuda.device_count()
+    launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={gpus}"] if gpus > 1 else []
+    command = [
+        sys.executable, *launcher, str(Path(__file__)), "--config", config,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"config": config, "error": f"did not finish within {timeout:.0f}s"}
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line:
+        return json.loads(line.removeprefix("RESULT "))  # type: ignore[no-any-return]
+    last = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()[-1]
+    return {"config": config, "error": last[-300:]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="run one configuration (internal)")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--budget", type=float, default=60, help="seconds for all configurations together")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for gpu.json and gpu.md")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("No CUDA device: the GPU benchmark is skipped.")
         return
     if args.config:
-        result = train(args.config, args.steps, args.batch_size)
+        result = train(args.config, args.steps, args.warmup, args.batch_size)
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(result))
         return
-    rows = []
+    import lightning
+
+    has_apex, apex = apex_state()
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
+        "apex": apex,
+        **{key: getattr(args, key) for key in ("steps", "warmup", "batch_size", "budget")},
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    rows: list[dict[str, Any]] = []
     for config in CONFIGS:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torch.cuda.device_count()}",
-            str(Path(__file__)), "--config", config, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True)
-        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-        rows.append(json.loads(line[7:]) if line else {"config": config, "error": done.stderr.strip()[-300:]})
-    print("| precision | step (ms) | images/s |\n|---|---|---|")
-    for row in rows:
-        if "error" in row:
-            print(f"| {row['config']} | n/a | {row['error'].splitlines()[-1] if row['error'] else 'failed'} |")
+        left = deadline - time.monotonic()
+        if config.startswith("apex-") and not has_apex:
+            rows.append({"config": config, "error": f"apex {apex}"})
+        elif left < 5:
+            rows.append({"config": config, "error": f"not run: the {args.budget:g}s budget was spent"})
         else:
-            print(f"| {row['config']} | {row['step_ms']:.1f} | {row['images_per_s']:.0f} |")
+            rows.append(run_config(config, args, timeout=left))
+        # Written after every configuration: a run stopped from outside keeps what it measured.
+        (args.results / "gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        table = markdown(rows, meta)
+        (args.results / "gpu.md").write_text(table)
+    print(table, end="")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""Real GPUs: NCCL, device pinning, and the recipe on CUDA. Skipped where no GPU is visible."""
+"""Real GPUs: NCCL, device pinning, and envddp against the hand-written recipes on CUDA, fp32 and AMP. Skipped
+where no GPU is visible."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from conftest import (
     free_port,
     launcher_variables,
     max_abs_difference,
+    run_reference,
     start_python,
     worker_env,
 )
@@ -129,47 +134,160 @@ def _real_apex() -> bool:
 
 real_apex = pytest.mark.skipif(not _real_apex(), reason="needs real NVIDIA apex with apex.amp")
 
+#: Both runs of a pair use deterministic cuBLAS; the workers turn on torch's deterministic algorithms on CUDA.
+DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+#: envddp and the hand-written recipe run the same CUDA kernels on the same data in the same order, and with
+#: deterministic algorithms the GPU's fp16 and bf16 kernels give the same bits on every run: the states should be
+#: equal. 1e-6 is only a margin for fp32 rounding, well below one fp16 step of weights this size (6e-5 at 0.1,
+#: 5e-4 for bf16); a lost or extra step, another loss scale or a cast in the wrong place shows far beyond it.
+TOLERANCE = 1e-6
 
-def _train_amp(out: Path, *args: str, nproc: int = 1, torchrun: Torchrun | None = None) -> list[dict[str, object]]:
-    out.mkdir()
-    command = ("train_amp.py", "--out", str(out), "--accelerator", "cuda", *args)
-    if torchrun is not None:
-        check(torchrun.run(*command, nproc=nproc, timeout=300))
+
+def leaves(state: Any, key: str = "") -> dict[str, Any]:
+    """A saved state as ``{key path: value}``, through its dicts, lists and tuples (``model/model_b.weight``)."""
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, list | tuple):
+        items = enumerate(state)
     else:
-        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-        result = subprocess.run(
-            [sys.executable, str(WORKERS / command[0]), *command[1:]],
-            env=worker_env(env),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+        return {key: state}
+    return {path: leaf for k, v in items for path, leaf in leaves(v, f"{key}/{k}" if key else str(k)).items()}
 
 
-@pytest.mark.parametrize(("precision", "dtype"), [("amp-O1", "torch.float16"), ("bf16-mixed", "torch.bfloat16")])
-def test_native_amp_on_cuda(tmp_path: Path, precision: str, dtype: str) -> None:
-    (report,) = _train_amp(tmp_path / "run", "--precision", precision)
-    assert report["hidden_dtypes"] == [dtype]
+def assert_same_state(mine_file: Path, reference_file: Path) -> None:
+    """Every tensor within TOLERANCE, every other value (loss scales, skipped steps, dtypes) equal.
+
+    Prints each tensor's largest absolute difference and each other value, which ``pytest -rP`` shows for passing
+    tests too.
+    """
+    # Both files were written by this repository's workers, and amp states hold plain Python objects.
+    mine, reference = (
+        leaves(torch.load(f, map_location="cpu", weights_only=False)) for f in (mine_file, reference_file)
+    )
+    assert mine.keys() == reference.keys(), f"keys only in one file: {sorted(mine.keys() ^ reference.keys())}"
+    print(f"envddp ({mine_file}) against the hand-written recipe ({reference_file}):")
+    far: dict[str, Any] = {}
+    for key, expected in reference.items():
+        actual = mine[key]
+        if isinstance(expected, torch.Tensor):
+            assert isinstance(actual, torch.Tensor), f"{key}: {actual!r} is not a tensor"
+            assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), f"{key}: dtype or shape differs"
+            difference = (actual.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
+            print(f"  {key:<40} max |difference| {difference:.3g}")
+            if not difference <= TOLERANCE:  # NaN included
+                far[key] = difference
+        else:
+            print(f"  {key:<40} {actual!r} (recipe: {expected!r})")
+            if actual != expected:
+                far[key] = (actual, expected)
+    assert far == {}, f"envddp differs from the hand-written recipe (tolerance {TOLERANCE:g}): {far}"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Where a job of the hand-written recipe and one of train_amp.py (envddp) wrote their results."""
+
+    out: Path
+    overflow: bool
+
+    @property
+    def reference(self) -> Path:
+        return self.out / "reference" / "reference.pt"
+
+    @property
+    def envddp(self) -> Path:
+        return self.out / "envddp"
+
+    def report(self) -> dict[str, Any]:
+        return json.loads((self.envddp / "rank0.json").read_text())
+
+
+#: Real fp16 overflows only while the dynamic scale settles; an injected one makes the skip path certain.
+OVERFLOW = ("--overflow-at-step", "3")
+
+
+def run_pair(
+    torchrun: Torchrun, out: Path, recipe: Sequence[str], envddp: Sequence[str], overflow: bool, nproc: int = 1
+) -> Pair:
+    """Train the recipe (``recipe[0]``, with ``--cuda``) and envddp (``train_amp.py``) on the same GPU(s)."""
+    pair = Pair(out, overflow)
+    both = OVERFLOW if overflow else ()
+    script, *args = recipe
+    on_cuda: dict[str, Any] = {"nproc": nproc, "env": DETERMINISTIC, "timeout": 300}
+    run_reference(torchrun, script, *args, *both, "--cuda", out=pair.reference.parent, **on_cuda)
+    pair.envddp.mkdir(parents=True)
+    check(torchrun.run("train_amp.py", "--out", str(pair.envddp), *envddp, *both, "--accelerator", "cuda", **on_cuda))
+    return pair
+
+
+@pytest.fixture(scope="module", params=["O1", "O2", "O3"])
+def apex_pair(request: pytest.FixtureRequest, torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    """Each apex level trained once by the recipe and once by envddp, one rank on cuda:0, for the tests below."""
+    level = request.param
+    return run_pair(
+        torchrun,
+        tmp_path_factory.mktemp(f"apex-{level}"),
+        ("train_apex_recipe.py", "--opt-level", level),
+        ("--precision", f"apex-{level}", "--checkpoint"),
+        overflow=level == "O1",  # O1 checks the skip path; at O3 the loss scale is a fixed 1 and skips nothing
+    )
 
 
 @pytest.mark.apex
 @real_apex
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_real_apex_trains_and_checkpoints_its_state(tmp_path: Path, level: str) -> None:
-    (report,) = _train_amp(tmp_path / "run", "--precision", f"apex-{level}", "--checkpoint")
-    assert report["precision_state"]["backend"] == "apex"
-    # Real fp16 overflows only while the dynamic scale settles: a frozen schedule would show here.
-    assert report["skipped"] <= 3
+def test_real_apex_matches_the_hand_written_recipe(apex_pair: Pair) -> None:
+    assert_same_state(apex_pair.envddp / "amp_state.pt", apex_pair.reference)
+    report = apex_pair.report()
+    assert report["hidden_dtypes"] == ["torch.float16"]
+    if apex_pair.overflow:
+        assert report["skipped"] >= 1
+
+
+@pytest.mark.apex
+@real_apex
+def test_real_apex_skips_the_lr_scheduler_with_a_skipped_step(apex_pair: Pair) -> None:
+    report = apex_pair.report()
     assert report["scheduler_steps"] == report["global_step"] - report["skipped"]
-    saved = torch.load(tmp_path / "run" / "last.ckpt", weights_only=False)["AmpPrecision"]
-    assert saved == report["precision_state"]
+
+
+@pytest.mark.apex
+@real_apex
+def test_real_apex_checkpoints_its_loss_scalers(apex_pair: Pair) -> None:
+    saved = torch.load(apex_pair.envddp / "last.ckpt", weights_only=False)["AmpPrecision"]
+    assert saved == apex_pair.report()["precision_state"]
+    assert saved["backend"] == "apex"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision", "overflow"),
+    [
+        ("float16", ("--precision", "amp-O1"), True),
+        ("bfloat16", ("--precision", "plugin", "--dtype", "bfloat16"), False),  # no loss scaler to skip one
+    ],
+)
+def test_native_amp_matches_the_hand_written_recipe(
+    torchrun: Torchrun, tmp_path: Path, dtype: str, precision: tuple[str, ...], overflow: bool
+) -> None:
+    pair = run_pair(torchrun, tmp_path, ("train_native_recipe.py", "--dtype", dtype), precision, overflow)
+    assert_same_state(pair.envddp / "amp_state.pt", pair.reference)
+    report = pair.report()
+    assert report["hidden_dtypes"] == [f"torch.{dtype}"]
+    if overflow:
+        assert report["skipped"] >= 1
 
 
 @pytest.mark.apex
 @real_apex
 @two_gpus
-def test_real_apex_under_envddp_on_two_gpus(torchrun: Torchrun, tmp_path: Path) -> None:
-    reports = _train_amp(tmp_path / "run", "--precision", "apex-O1", "--ddp-impl", "apex", nproc=2, torchrun=torchrun)
-    assert all(str(r["wrapper"]).startswith("apex.parallel") for r in reports)
+def test_real_apex_ddp_on_two_gpus_matches_the_hand_written_recipe(torchrun: Torchrun, tmp_path: Path) -> None:
+    apex_ddp = ("--ddp-impl", "apex")
+    pair = run_pair(
+        torchrun,
+        tmp_path,
+        ("train_apex_recipe.py", "--opt-level", "O1", *apex_ddp),
+        ("--precision", "apex-O1", *apex_ddp),
+        overflow=True,
+        nproc=2,
+    )
+    assert_same_state(pair.envddp / "amp_state.pt", pair.reference)
+    assert pair.report()["wrapper"].startswith("apex.parallel.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -211,9 +212,23 @@ class RecordingCUDAAccelerator(CUDAAccelerator):
         self.calls.append(f"set_device({device})")
 
 
-@pytest.fixture
-def cuda_double(monkeypatch: pytest.MonkeyPatch, two_ranks: None) -> tuple[EnvDDPStrategy, list[str]]:
-    """Local rank 1 of 2 on a machine whose two GPUs are doubles; init_process_group records its arguments."""
+#: What process_group sets for NCCL runs; a test must not leave it to the subprocesses of later tests.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def confine_nccl_error_handling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start without the variable and, at teardown, restore it as it was, even though the code under test sets it.
+
+    monkeypatch undoes only its own changes, and deleting an absent variable is none: setting it first records
+    "absent", so the value process_group sets is removed at teardown too.
+    """
+    monkeypatch.setenv(NCCL_ERROR_HANDLING, "")
+    monkeypatch.delenv(NCCL_ERROR_HANDLING)
+
+
+def make_cuda_double(monkeypatch: pytest.MonkeyPatch) -> tuple[EnvDDPStrategy, list[str]]:
+    """The ``cuda_double`` fixture's strategy, with every patch made through ``monkeypatch``."""
+    confine_nccl_error_handling(monkeypatch)
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
@@ -245,6 +260,12 @@ def cuda_double(monkeypatch: pytest.MonkeyPatch, two_ranks: None) -> tuple[EnvDD
     return EnvDDPStrategy(accelerator=RecordingCUDAAccelerator(calls)), calls
 
 
+@pytest.fixture
+def cuda_double(monkeypatch: pytest.MonkeyPatch, two_ranks: None) -> tuple[EnvDDPStrategy, list[str]]:
+    """Local rank 1 of 2 on a machine whose two GPUs are doubles; init_process_group records its arguments."""
+    return make_cuda_double(monkeypatch)
+
+
 def test_cuda_rank_is_pinned_to_its_gpu_before_nccl_starts(cuda_double: tuple[EnvDDPStrategy, list[str]]) -> None:
     strategy, calls = cuda_double
     strategy.setup_environment()
@@ -254,6 +275,21 @@ def test_cuda_rank_is_pinned_to_its_gpu_before_nccl_starts(cuda_double: tuple[En
         "add(joined, 1)",
         "init_process_group(nccl, device_id=cuda:1, rank=1, store=lightning_ddp_amp/attempt_0 over store)",
     ]
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_nccl_error_handling_variable_does_not_outlive_the_test(
+    monkeypatch: pytest.MonkeyPatch, two_ranks: None, before: str | None
+) -> None:
+    if before is None:
+        monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
+    else:
+        monkeypatch.setenv(NCCL_ERROR_HANDLING, before)
+    with pytest.MonkeyPatch.context() as test_patches:
+        strategy, _ = make_cuda_double(test_patches)
+        strategy.setup_environment()
+        assert os.environ[NCCL_ERROR_HANDLING] == "1"  # process_group sets it for NCCL runs, as intended
+    assert os.environ.get(NCCL_ERROR_HANDLING) == before
 
 
 def test_a_restarted_attempt_meets_on_a_store_namespace_of_its_own(
