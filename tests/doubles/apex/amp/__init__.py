@@ -7,14 +7,14 @@ master weights, patched ``step`` / ``zero_grad`` / ``add_param_group``), ``handl
 computes for real, in fp16 on the CPU, where apex computes on CUDA; ``_amp_state.on_amp_device`` is where the
 double reads apex's ``is_cuda``.
 
-What real apex does not have is in ``test_only`` and re-exported here: ``supports_cpu``, ``events``,
+What real apex does not have is in ``double_extras`` and re-exported here: ``supports_cpu``, ``events``,
 ``backward_outside_scale_loss()`` and ``unpatch_torch_for_tests()``.
 """
 
 from ._amp_state import _amp_state, master_params
+from .double_extras import backward_outside_scale_loss, events, unpatch_torch_for_tests
 from .frontend import initialize, load_state_dict, state_dict
 from .handle import disable_casts, scale_loss
-from .test_only import backward_outside_scale_loss, events, unpatch_torch_for_tests
 
 #: Real apex has no such flag. True: the double accepts CPU tensors as apex accepts CUDA ones, and
 #: lightning_ddp_amp lets it run on the CPU. A test sets it to False to get apex's refusal of CPU parameters.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..fp16_utils import master_params_to_model_params
-from . import test_only
+from . import double_extras
 from ._amp_state import is_amp_float, is_amp_half
 
 
@@ -183,7 +183,7 @@ def _amp_lazy_init(self: torch.optim.Optimizer) -> None:
     if not self._amp_stash.lazy_init_called:
         self._lazy_init_maybe_master_weights()
         self._amp_stash.lazy_init_called = True
-        test_only.record("lazy_init")
+        double_extras.record("lazy_init")
 
 
 def _with_master_weights_step(self: torch.optim.Optimizer, old_step: Any, closure: Any = None) -> Any:

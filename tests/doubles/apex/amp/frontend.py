@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import test_only
+from . import double_extras
 from ._amp_state import _amp_state, maybe_print, warn_or_err
 from ._initialize import _initialize
 
@@ -199,7 +199,7 @@ def initialize(
     result = _initialize(models, optimizers, _amp_state.opt_properties, num_losses, cast_model_outputs)
     model_list = models if isinstance(models, list) else [models]
     optimizer_list = [] if optimizers is None else optimizers if isinstance(optimizers, list) else [optimizers]
-    test_only.record(
+    double_extras.record(
         "initialize",
         models=[type(m).__name__ for m in model_list],
         optimizers=[type(o).__name__ for o in optimizer_list],
@@ -212,7 +212,7 @@ def initialize(
         max_loss_scale=max_loss_scale,
         params_on=sorted({p.device.type for m in model_list for p in m.parameters()}),
     )
-    test_only.watch_backward(model_list)
+    double_extras.watch_backward(model_list)
     return result
 
 
@@ -248,7 +248,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         _amp_state.loss_scalers[idx]._loss_scale = state_dict[key]["loss_scale"]
         _amp_state.loss_scalers[idx]._unskipped = state_dict[key]["unskipped"]
         idx += 1
-    test_only.record("load_state_dict", state={k: dict(v) for k, v in state_dict.items() if "loss_scaler" in k})
+    double_extras.record("load_state_dict", state={k: dict(v) for k, v in state_dict.items() if "loss_scaler" in k})
     if unexpected_keys:
         raise RuntimeError(
             "Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. ".format(

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import test_only
+from . import double_extras
 from ._amp_state import _amp_state, maybe_print
 from .scaler import LossScaler
 
@@ -42,12 +42,12 @@ def scale_loss(
         optimizers = [optimizers]
     loss_scaler: LossScaler = _amp_state.loss_scalers[loss_id]
     loss_scale = loss_scaler.loss_scale()
-    test_only.record(
+    double_extras.record(
         "scale_loss", loss_id=loss_id, delay_unscale=delay_unscale, scale=loss_scale, optimizers=len(optimizers)
     )
 
     if not _amp_state.opt_properties.master_weights and not loss_scaler.dynamic and loss_scale == 1.0:
-        with test_only.inside_scale_loss():
+        with double_extras.inside_scale_loss():
             yield loss.float()
         if _amp_state.opt_properties.patch_torch_functions:
             _amp_state.handle._clear_cache()
@@ -59,7 +59,7 @@ def scale_loss(
             if not optimizer._amp_stash.params_have_scaled_gradients:
                 optimizer._prepare_amp_backward()
 
-    with test_only.inside_scale_loss():
+    with double_extras.inside_scale_loss():
         yield loss.float() * loss_scale
 
     if delay_unscale:
@@ -72,7 +72,7 @@ def scale_loss(
             optimizer._amp_stash.params_have_scaled_gradients = False
         should_skip = False if delay_overflow_check else loss_scaler.update_scale()
         if should_skip:
-            test_only.record("overflow", loss_id=loss_id, new_scale=loss_scaler.loss_scale())
+            double_extras.record("overflow", loss_id=loss_id, new_scale=loss_scaler.loss_scale())
             for optimizer in optimizers:
                 if not optimizer._amp_stash.already_patched:
                     optimizer.step = _skip_next_step(optimizer, loss_scaler, loss_id)
@@ -94,7 +94,7 @@ def _skip_next_step(optimizer: Any, loss_scaler: LossScaler, loss_id: int) -> Ca
             f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to"
             f" {loss_scaler.loss_scale()}"
         )
-        test_only.record("skipped_step", loss_id=loss_id)
+        double_extras.record("skipped_step", loss_id=loss_id)
         if hasattr(optimizer._amp_stash, "all_fp32_from_fp16_params"):
             for param in optimizer._amp_stash.all_fp32_from_fp16_params:
                 param.grad = None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import test_only
+from . import double_extras
 from ._amp_state import _amp_state, on_amp_device
 
 CastFn = Callable[[Any], Any]
@@ -111,10 +111,10 @@ def cached_cast(cast_fn: CastFn, x: torch.Tensor, cache: dict[torch.Tensor, torc
 
 def set_func_save(handle: Any, mod: Any, fn: str, new_fn: Callable[..., Any]) -> None:
     """utils.py ``set_func_save``: patch ``mod.fn`` and remember what it was (on the handle, and on the wrapper
-    for :func:`~apex.amp.test_only.unpatch_torch_for_tests`)."""
+    for :func:`~apex.amp.double_extras.unpatch_torch_for_tests`)."""
     current = getattr(mod, fn)
     handle._save_func(mod, fn, current)
-    test_only.mark_replacement(new_fn, mod, fn, current)
+    double_extras.mark_replacement(new_fn, mod, fn, current)
     setattr(mod, fn, new_fn)
 
 
