@@ -19,6 +19,7 @@ pytestmark = pytest.mark.multiprocess
 DOCUMENTED = {
     # Lightning asks the strategy for its device and ranks (cached properties, no computation).
     "strategy.EnvDDPStrategy.parallel_devices",
+    "strategy.EnvDDPStrategy.cluster_environment",
     "cluster_environment.LauncherEnvironment.local_rank",
     "cluster_environment.LauncherEnvironment.global_rank",
     "cluster_environment.LauncherEnvironment.world_size",

@@ -69,7 +69,8 @@ class Topology:
         master_port: Port of rank 0's rendezvous store (None for a single process).
         launcher: What started the process: ``"torchrun"``, ``"self-launch"`` (torchrun, started by the strategy
             from a plain ``python train.py``), ``"torch.distributed.launch"``, ``"srun"``, ``"mpirun"``,
-            ``"environment"`` (torchrun's variables set by hand or another tool) or ``"none"``.
+            ``"environment"`` (torchrun's variables set by hand or another tool), ``"none"``, or the class name of
+            the Lightning ``ClusterEnvironment`` the topology was read from (``"KubeflowEnvironment"``).
     """
 
     rank: int = 0
@@ -164,6 +165,8 @@ def read_topology(environ: Mapping[str, str] | None = None, argv: Sequence[str] 
         rank = 0
     local_world_size = _read_int(env, "LOCAL_WORLD_SIZE", minimum=1)
     if local_world_size is None:
+        if world_size > 1 and argv_local_rank is None and "LOCAL_RANK" not in env:
+            raise _no_local_variables(rank, world_size)
         local_world_size = _single_node_local_world_size(env, world_size)
     _check_whole_nodes(
         world_size,
@@ -320,6 +323,20 @@ def _check_whole_nodes(world_size: int, names: tuple[str, str], local_world_size
             f"{names[0]}={world_size} is not a whole number of nodes of {local_world_size} processes",
             fix,
         )
+
+
+def _no_local_variables(rank: int, world_size: int) -> LauncherEnvironmentError:
+    # What a Kubeflow PyTorchJob exports (one process per pod), and what a hand-written launch script may forget.
+    return LauncherEnvironmentError(
+        "LOCAL_RANK",
+        None,
+        f"neither LOCAL_RANK nor LOCAL_WORLD_SIZE is set (nor --local-rank passed), although RANK={rank} and"
+        f" WORLD_SIZE={world_size} are, so envddp cannot tell how many of the {world_size} processes run on this"
+        " node",
+        "with one process per node or pod (a Kubeflow PyTorchJob), pass"
+        ' `Trainer(strategy="envddp", plugins=[KubeflowEnvironment()])` (from lightning.pytorch.plugins.environments;'
+        " or EnvDDPStrategy(cluster_environment=KubeflowEnvironment())); with several, " + _LAUNCH_HINT,
+    )
 
 
 def _single_node_local_world_size(env: Mapping[str, str], world_size: int) -> int:

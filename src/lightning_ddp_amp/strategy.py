@@ -2,7 +2,7 @@
 
 The recipe, and where each of its lines happens here::
 
-    rank, local_rank, world_size = RANK, LOCAL_RANK, WORLD_SIZE   # __init__: read_topology()
+    rank, local_rank, world_size = RANK, LOCAL_RANK, WORLD_SIZE   # cluster_environment: read_topology()
     torch.cuda.set_device(local_rank)                             # setup_environment: pin the device
     dist.init_process_group("nccl"); dist.barrier()               # setup_distributed
     model.cuda(); optimizer = SGD(model.parameters())             # setup: device, then optimizers
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
@@ -50,8 +50,8 @@ from typing_extensions import override
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp import selflaunch
 from lightning_ddp_amp.apex_amp import load_apex_module
-from lightning_ddp_amp.cluster_environment import LauncherEnvironment
-from lightning_ddp_amp.data import explain_loader_state_mismatch, shard_dataloader
+from lightning_ddp_amp.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
+from lightning_ddp_amp.data import explain_loader_state_mismatch, shard_dataloader, warn_unshuffled_training_shards
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError, TopologyMismatchError
@@ -93,6 +93,14 @@ class EnvDDPStrategy(DDPStrategy):
 
     Args:
         accelerator: The accelerator; normally chosen by the Trainer.
+        parallel_devices: One device per local rank, as in Lightning's ``ddp``; their number must be the launcher's
+            processes per node (LOCAL_WORLD_SIZE). On CUDA they map local ranks to GPUs, as ``Trainer(devices=[2,
+            3])`` does; without a launcher, several devices start that many ranks. Default: ``cuda:LOCAL_RANK``
+            (``cuda:0`` when each process sees one GPU), or the CPU.
+        cluster_environment: A Lightning ``ClusterEnvironment`` to read the ranks, world size and rendezvous
+            address from instead of the launcher's variables, e.g. ``KubeflowEnvironment()``; the same as passing it
+            in the Trainer's ``plugins``. The processes per node come from its ``local_world_size()`` if it has one,
+            1 for ``KubeflowEnvironment`` (one process per pod), else LOCAL_WORLD_SIZE.
         checkpoint_io: How checkpoints are written; normally chosen by the Trainer.
         precision_plugin: The precision plugin; normally chosen by the Trainer.
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on CUDA, gloo on CPU.
@@ -124,16 +132,21 @@ class EnvDDPStrategy(DDPStrategy):
         **ddp_kwargs: Any other ``DistributedDataParallel`` argument, passed through untouched.
 
     Raises:
-        LauncherEnvironmentError: A launcher variable is missing, malformed or out of range.
+        LauncherEnvironmentError: A launcher variable, or a value the cluster environment reports, is missing,
+            malformed or out of range (when the Trainer is built: a ClusterEnvironment plugin may still replace the
+            launcher's variables).
         StrategyConfigurationError: An argument is invalid.
     """
 
     strategy_name = "envddp"
+    _topology: Topology  # set with the cluster environment
 
     def __init__(
         self,
         *,
         accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
@@ -153,7 +166,11 @@ class EnvDDPStrategy(DDPStrategy):
         max_restarts: int = 0,
         **ddp_kwargs: Any,
     ) -> None:
-        self._topology = read_topology()
+        # Set by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
+        self._environment: ClusterEnvironment | None = None
+        self._given_devices: list[torch.device] | None = None
+        self._devices: list[torch.device] | None = None
+        self._requested_cuda_indices: list[int] | None = None
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise StrategyConfigurationError(
                 "max_restarts", max_restarts, "it must be a whole number of restarts, 0 or more", "pass e.g. 3"
@@ -175,7 +192,8 @@ class EnvDDPStrategy(DDPStrategy):
         _check_ddp_kwargs(self._apex_ddp or DistributedDataParallel, ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
-            cluster_environment=LauncherEnvironment(self._topology),
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             ddp_comm_state=ddp_comm_state,
@@ -191,18 +209,58 @@ class EnvDDPStrategy(DDPStrategy):
         self._ddp_kwargs.update(ddp_kwargs)
         self.split_batches = split_batches
         self.exact_eval = exact_eval
-        self._devices: list[torch.device] | None = None
-        self._requested_cuda_indices: list[int] | None = None
         self._shard_dataloaders: bool | None = None
         self.auto_resume = auto_resume
         self._preemption = PREEMPTION
         self._cpu_group: Any = None
         self.resumed_from: Path | None = None
+        if accelerator is not None:
+            # Built with its accelerator, the strategy may run without a Trainer, so it reads the launcher now; a
+            # Trainer's ClusterEnvironment plugin then meets Lightning's "set through both strategy and plugins".
+            self._use_launcher_unless_given()
 
     @property
     def topology(self) -> Topology:
-        """What the launcher set up (validated in ``__init__``)."""
+        """What the launcher, or the cluster environment given, set up (validated)."""
+        self._use_launcher_unless_given()
         return self._topology
+
+    @property
+    @override
+    def cluster_environment(self) -> ClusterEnvironment | None:
+        """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
+        the Trainer's ``plugins``), else a :class:`LauncherEnvironment` over the launcher's variables.
+
+        None until one of them is known: that is how the Trainer knows to hand over its plugin.
+        """
+        return self._environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
+        """Read the topology from ``environment``; the Trainer calls this with a user's plugin or its own choice.
+
+        Lightning's own environments, which the Trainer picks when given none (``is_lightning_default``), read the
+        variables of launchers envddp reads itself: the launcher's variables are read and validated instead
+        (:func:`read_topology`). Any other environment is honoured through its methods (:func:`environment_topology`).
+
+        None (what ``DDPStrategy.__init__`` passes by default) leaves the choice open.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
+            StrategyConfigurationError: The environment cannot be honoured (see :func:`environment_topology`).
+        """
+        if environment is None:
+            return
+        if is_lightning_default(environment):
+            environment = LauncherEnvironment(read_topology())
+        self._topology = environment_topology(environment)
+        self._environment = environment
+        self._devices = None
+
+    def _use_launcher_unless_given(self) -> None:
+        # Used outside a Trainer, nothing hands over an environment: read the launcher's variables.
+        if self._environment is None:
+            self.cluster_environment = LauncherEnvironment(read_topology())
 
     @property
     def ddp_options(self) -> dict[str, Any]:
@@ -218,8 +276,10 @@ class EnvDDPStrategy(DDPStrategy):
     @property
     @override
     def parallel_devices(self) -> list[torch.device] | None:
-        """One device per local rank, chosen from the topology once the accelerator is known."""
+        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
+        until then)."""
         if self._devices is None and self.accelerator is not None:
+            self._use_launcher_unless_given()
             on_cuda = isinstance(self.accelerator, CUDAAccelerator)
             self._devices = select_devices(
                 "cuda" if on_cuda else "cpu",
@@ -227,15 +287,27 @@ class EnvDDPStrategy(DDPStrategy):
                 torch.cuda.device_count() if on_cuda else 0,
                 self._requested_cuda_indices,
             )
-        return self._devices
+        return self._devices if self._devices is not None else self._given_devices
 
     @parallel_devices.setter
     def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
-        """Ignored: the launcher decides how many processes run here (see :meth:`check_trainer_flags`)."""
+        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
+        node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
+        if parallel_devices is None:
+            return
+        given = [torch.device(device) for device in parallel_devices]
+        # An index-less "cuda" stands for the local rank's GPU, as it does in the recipe.
+        self._given_devices = [
+            torch.device("cuda", rank) if device.type == "cuda" and device.index is None else device
+            for rank, device in enumerate(given)
+        ]
+        self._requested_cuda_indices = [device.index for device in self._given_devices if device.type == "cuda"] or None
+        self._devices = None
 
     @property
     @override
     def num_nodes(self) -> int:
+        self._use_launcher_unless_given()
         return self._topology.num_nodes
 
     @num_nodes.setter
@@ -248,10 +320,12 @@ class EnvDDPStrategy(DDPStrategy):
         """Check the Trainer's ``devices``, ``num_nodes`` and ``use_distributed_sampler`` against this strategy.
 
         ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
-        On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``.
+        On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``; so does
+        ``EnvDDPStrategy(parallel_devices=...)``.
 
         Raises:
-            TopologyMismatchError: an explicit value contradicts the launcher.
+            TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
+                ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
                 precision plugin cannot train with (:meth:`_check_precision_plugin`).
         """
@@ -265,6 +339,7 @@ class EnvDDPStrategy(DDPStrategy):
                 " evaluation shards exact",
                 "drop use_distributed_sampler=False, or drop exact_eval and shard the eval sets yourself",
             )
+        self._use_launcher_unless_given()
         topology = self._topology
         if num_nodes != 1 and num_nodes != topology.num_nodes:
             raise TopologyMismatchError(
@@ -276,6 +351,17 @@ class EnvDDPStrategy(DDPStrategy):
                 f"{topology.num_nodes}",
             )
         requested = self._requested_devices(devices)
+        field: str = "devices"
+        value: Any = devices
+        if self._given_devices is not None:
+            if requested is not None and requested != self._given_devices:
+                raise TopologyMismatchError(
+                    "devices",
+                    devices,
+                    f"EnvDDPStrategy(parallel_devices={self._given_devices}) names other devices",
+                    "name the devices once: drop devices from the Trainer, or parallel_devices from the strategy",
+                )
+            requested, field, value = self._given_devices, "parallel_devices", self._given_devices
         if topology.launcher == "none":
             self._launch_or_train_alone(requested)
         else:
@@ -292,12 +378,15 @@ class EnvDDPStrategy(DDPStrategy):
                 )
             if requested is not None and len(requested) != topology.local_world_size:
                 raise TopologyMismatchError(
-                    "devices",
-                    devices,
+                    field,
+                    value,
                     f"the launcher started {topology.local_world_size} process(es) on this node"
                     f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
                     f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
-                    f"{topology.local_world_size}",
+                    f"{topology.local_world_size}"
+                    if field == "devices"
+                    else "drop parallel_devices from the strategy (envddp picks one device per local rank) or list"
+                    f" {topology.local_world_size}, one per local rank",
                 )
         if requested is not None and isinstance(self.accelerator, CUDAAccelerator):
             self._requested_cuda_indices = [device.index for device in requested]
@@ -472,6 +561,8 @@ class EnvDDPStrategy(DDPStrategy):
         if self._topology.is_distributed and self.resumed_from is not None:
             self._check_same_checkpoint()
         assert self.lightning_module is not None
+        # The recipe's DistributedSampler shuffled; a training DataLoader left at shuffle=False does not.
+        warn_unshuffled_training_shards(self.lightning_module.trainer.train_dataloader)
         # Lightning's own per-step SIGTERM broadcast waits for every rank at every step; this strategy handles
         # SIGTERM itself (see lightning_ddp_amp.resume.Preemption).
         _lightning.disable_sigterm_broadcast(self.lightning_module.trainer)
