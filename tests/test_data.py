@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import Torchrun, check
 from lightning.pytorch.trainer.states import RunningStage
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler, TensorDataset
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from lightning_ddp_amp import StrategyConfigurationError
-from lightning_ddp_amp.data import shard_dataloader
+from lightning_ddp_amp.data import shard_dataloader, warn_unshuffled_training_shards
 
 DATASET = TensorDataset(torch.arange(10))
 TRAIN = RunningStage.TRAINING
@@ -184,3 +196,72 @@ def test_exact_eval_refuses_what_it_cannot_make_exact(loader: DataLoader, words:
         shard_dataloader(loader, stage=VAL, num_replicas=2, rank=0, seed=0, exact_eval=True)
     assert str(raised.value).startswith("exact_eval=True: ")
     assert words in str(raised.value)
+
+
+def sharded(loader: DataLoader, stage: RunningStage = TRAIN, **kwargs: bool) -> object:
+    """Rank 0's copy of ``loader`` on 2 ranks, as the strategy hands it to the loop."""
+    return shard_dataloader(loader, stage=stage, num_replicas=2, rank=0, seed=0, **kwargs)
+
+
+def order_warnings(train_dataloader: object) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_unshuffled_training_shards(train_dataloader)
+    return [str(w.message) for w in caught]
+
+
+def test_an_unshuffled_training_loader_is_told_that_its_shards_keep_their_order() -> None:
+    # The recipe's DistributedSampler(ds) shuffled; dropping it but keeping shuffle=False no longer does.
+    (message,) = order_warnings(sharded(DataLoader(DATASET, batch_size=2, shuffle=False)))
+    assert message.startswith("envddp: the training DataLoader (over TensorDataset) does not shuffle, so each rank's")
+    assert "keeps the dataset's order in every epoch" in message
+    assert "Fix: DataLoader(..., shuffle=True)" in message
+    assert "sampler=DistributedSampler(dataset, shuffle=False)" in message
+    assert "Trainer(use_distributed_sampler=False)" in message
+
+
+def test_an_unshuffled_custom_batch_sampler_is_told_too() -> None:
+    loader = DataLoader(DATASET, batch_sampler=Pairs(SequentialSampler(DATASET), batch_size=2, drop_last=False))
+    assert len(order_warnings(sharded(loader))) == 1
+
+
+def test_each_unshuffled_loader_of_several_is_named_once() -> None:
+    unshuffled, shuffled = DataLoader(DATASET), DataLoader(DATASET, shuffle=True)
+    loaders = {"images": sharded(unshuffled), "text": [sharded(shuffled), sharded(unshuffled)]}
+    named = [message.split(" (over")[0] for message in order_warnings(loaders)]
+    assert named == ["envddp: the training DataLoader ['images']", "envddp: the training DataLoader ['text'][1]"]
+
+
+@pytest.mark.parametrize(
+    "loader",
+    [
+        DataLoader(DATASET, shuffle=True),
+        DataLoader(DATASET, sampler=EvenFirst()),
+        DataLoader(DATASET, sampler=DistributedSampler(DATASET, num_replicas=2, rank=0, shuffle=False)),
+        DataLoader(Stream(), batch_size=2),
+    ],
+    ids=["shuffled", "custom-sampler", "user-distributed-sampler", "iterable"],
+)
+def test_loaders_that_shuffle_or_choose_their_order_are_not_warned_about(loader: DataLoader) -> None:
+    assert order_warnings(sharded(loader)) == []
+
+
+def test_a_loader_the_strategy_does_not_shard_is_not_warned_about() -> None:
+    # One process, or Trainer(use_distributed_sampler=False): the strategy leaves the loader as it is.
+    assert order_warnings(sharded(DataLoader(DATASET), shard=False)) == []
+    assert order_warnings(DataLoader(DATASET)) == []
+
+
+def test_only_rank_zero_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert order_warnings(sharded(DataLoader(DATASET))) == []
+
+
+@pytest.mark.multiprocess
+def test_fitting_on_two_ranks_warns_once_about_the_unshuffled_training_loader_only(
+    torchrun: Torchrun, tmp_path: Path
+) -> None:
+    # Two epochs of fit, then validate and predict with unshuffled loaders: one warning, from rank 0, at fit start.
+    result = check(torchrun.run("train_envddp.py", "--out", str(tmp_path), "--batch-size", "4", "--no-shuffle"))
+    assert result.stdout.count("does not shuffle, so each rank's shard keeps") == 1
+    assert "envddp: the training DataLoader (over TensorDataset) does not shuffle" in result.stdout

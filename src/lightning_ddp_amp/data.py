@@ -9,7 +9,9 @@ kept the user's choice, and so does :func:`shard_dataloader`:
 * a DataLoader that already has a ``DistributedSampler``, or iterates an ``IterableDataset``, is left alone.
 
 The fit loop calls ``set_epoch`` on these samplers at the start of every epoch, so the order changes between
-epochs exactly as in the recipe.
+epochs exactly as in the recipe. A training DataLoader left at ``shuffle=False`` is the exception: the recipe's
+``DistributedSampler`` shuffled by default, so a script migrated by dropping the sampler but keeping
+``shuffle=False`` would train on the same order every epoch; :func:`warn_unshuffled_training_shards` says so.
 
 A sharded training DataLoader is also resumable in Lightning's sense (it has ``state_dict`` / ``load_state_dict``):
 a checkpoint records the epoch and how many batches of it were trained, and resuming from it skips exactly those
@@ -26,6 +28,7 @@ from typing import Any
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_ddp_amp import _lightning
@@ -88,6 +91,40 @@ def shard_dataloader(
     if isinstance(sampler, _ResumesMidEpoch) and progress is not None:
         _make_resumable(rebuilt, sampler, progress)
     return rebuilt
+
+
+def warn_unshuffled_training_shards(train_dataloader: object) -> None:
+    """Warn on rank 0, once for each sharded training DataLoader, when its shards keep the dataset's order.
+
+    Args:
+        train_dataloader: ``trainer.train_dataloader`` once the fit loop has set it up: a DataLoader, or lists,
+            tuples and dicts of them.
+    """
+    loaders = list(_named_dataloaders(train_dataloader, ""))
+    for key, loader in loaders:
+        sampler = _user_sampler(loader)
+        if not isinstance(sampler, ResumableDistributedSampler) or sampler.shuffle:
+            continue
+        name = "the training DataLoader" + (f" {key}" if len(loaders) > 1 else "")
+        rank_zero_warn(
+            f"envddp: {name} (over {type(loader.dataset).__name__}) does not shuffle, so each rank's shard keeps"
+            " the dataset's order in every epoch; the classic recipe's DistributedSampler shuffled by default, and"
+            " so would Lightning's own sampler. Fix: DataLoader(..., shuffle=True); to keep the order on purpose,"
+            " pass a sampler of your own, e.g. sampler=DistributedSampler(dataset, shuffle=False), or"
+            " Trainer(use_distributed_sampler=False) and shard the data yourself."
+        )
+
+
+def _named_dataloaders(loaders: object, key: str) -> Iterator[tuple[str, DataLoader[Any]]]:
+    """Each DataLoader in ``loaders`` with where it sits, e.g. ``["images"]`` or ``[1]``."""
+    if isinstance(loaders, DataLoader):
+        yield key, loaders
+    elif isinstance(loaders, dict):
+        for name, inner in loaders.items():
+            yield from _named_dataloaders(inner, f"{key}[{name!r}]")
+    elif isinstance(loaders, (list, tuple)):
+        for index, inner in enumerate(loaders):
+            yield from _named_dataloaders(inner, f"{key}[{index}]")
 
 
 class _ResumesMidEpoch:
