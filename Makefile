@@ -1,21 +1,51 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each builds the virtualenv it needs.
 # torch is pinned to the CPU build of 2.13.0 before anything else asks for torch: an unpinned install would pull
 # a CUDA build of several GB.
+#
+# CI (.ci/run) runs four legs, each a target here; each checks the versions it runs and a minimum of passed tests:
+#   make test          torch 2.13.0 (CPU) + the newest Lightning 2.6.x: ruff, mypy and the whole suite
+#   make test-lowest   torch 2.13.0 (CPU) + Lightning 2.5.0: the whole suite
+#   make test-torch21  torch 2.1.2 + Lightning 2.5.0 + numpy<2: the core (CORE_TESTS)
+#   make test-newest   the newest torch CI's pip allows + the newest Lightning 2.6.x: the core
+# The last three build their environment once, in ~/.cache/lightning-ddp-amp (.ci/venv): the index's torch builds
+# other than 2.13.0's are CUDA builds of several GB. .ci/run resolves "newest" at every run and passes it on
+# (make test-newest NEWEST_TORCH=torch==X NEWEST_LIGHTNING="lightning==Y pytorch-lightning==Y").
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH := torch==2.13.0
-# The lowest Lightning release pyproject.toml declares, in both namespaces; `make test-lowest` runs the suite
-# against it.
+# The newest releases, as last resolved; .ci/run passes the ones pip resolves at each run.
+NEWEST_TORCH := torch==2.14.1
+NEWEST_LIGHTNING := lightning==2.6.6 pytorch-lightning==2.6.6
+# The lowest Lightning release pyproject.toml declares, in both namespaces.
 LOWEST_LIGHTNING := lightning==2.5.0 pytorch-lightning==2.5.0
+# The lowest torch pyproject.toml declares; its wheels are built against numpy 1.
+OLDEST_TORCH := torch==2.1.2 'numpy<2'
+# The core the other torch releases run: real ranks under torchrun (training, equivalence with the recipe, launchers
+# through the examples), AMP in one process and on ranks, fault injection, the CLI (examples, and both Lightning
+# namespaces), and the torch feature probes. Tests that need what an older torch lacks (CPU float16 before 2.3) skip
+# and say why. Without the ten-run exit-code loop, as in test-lowest; on torch 2.1 it also meets torch's own exit
+# deadlock (gloo's process group destructor waits for a worker thread while holding the GIL, pytorch/pytorch#154976).
+CORE_TESTS := tests/test_multiprocess.py tests/test_amp_multiprocess.py tests/test_faults.py tests/test_examples.py \
+	tests/test_namespaces.py tests/test_precision.py tests/test_torch_features.py -k "not exit_zero_every_time"
+REPORTS := build/test-reports
+# The small virtualenvs of the other legs (.ci/venv); build/ is git-ignored, so ruff and git leave them alone.
+LEG_VENVS := build/venvs
 
-.PHONY: demo test test-lowest lint bench
+.PHONY: demo test test-lowest test-torch21 test-newest lint bench
+
+# $(call leg,VENV,PINS,NAME,MINIMUM PASSED,PYTEST ARGUMENTS): the versions, the tests, then the count of passes.
+define leg
+	$(1)/bin/python .ci/leg.py versions $(2)
+	$(1)/bin/python -m pytest --junitxml=$(REPORTS)/$(3).xml $(5)
+	$(1)/bin/python .ci/leg.py passed $(REPORTS)/$(3).xml $(4)
+endef
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e ".[dev]"
+	$(VENV)/bin/pip install -q $(TORCH) $(NEWEST_LIGHTNING)
+	$(VENV)/bin/pip install -q -e ".[dev]" $(NEWEST_LIGHTNING)
 	touch $@
 
 demo: $(VENV)/.installed
@@ -27,20 +57,25 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 test: lint
-	$(VENV)/bin/python -m pytest
+	$(call leg,$(VENV),$(TORCH) $(NEWEST_LIGHTNING),test,450,)
 
 # Not a test: CPU benchmarks against the plain recipe, Lightning's ddp and Accelerate (benchmarks/README.md).
 bench: $(VENV)/.installed
 	$(VENV)/bin/pip install -q -e ".[bench]"
 	$(VENV)/bin/python benchmarks/run.py
 
-.venv-lowest/.installed: pyproject.toml
-	$(PYTHON) -m venv .venv-lowest
-	.venv-lowest/bin/pip install -q --upgrade pip
-	.venv-lowest/bin/pip install -q $(TORCH) $(LOWEST_LIGHTNING)
-	.venv-lowest/bin/pip install -q -e ".[dev]" $(LOWEST_LIGHTNING)
-	touch $@
+# The other legs rebuild their small virtualenv at every run (seconds once the cached environment exists), so it
+# always holds the pins on the command line: CI passes the newest releases it resolved.
 
 # Everything but the ten-run exit-code loop, against the lowest declared Lightning.
-test-lowest: .venv-lowest/.installed
-	.venv-lowest/bin/python -m pytest -k "not exit_zero_every_time"
+test-lowest:
+	.ci/venv $(LEG_VENVS)/lowest $(TORCH) $(LOWEST_LIGHTNING)
+	$(call leg,$(LEG_VENVS)/lowest,$(TORCH) $(LOWEST_LIGHTNING),test-lowest,450,-k "not exit_zero_every_time")
+
+test-torch21:
+	.ci/venv $(LEG_VENVS)/torch21 $(OLDEST_TORCH) $(LOWEST_LIGHTNING)
+	$(call leg,$(LEG_VENVS)/torch21,$(OLDEST_TORCH) $(LOWEST_LIGHTNING),test-torch21,140,$(CORE_TESTS))
+
+test-newest:
+	.ci/venv $(LEG_VENVS)/newest $(NEWEST_TORCH) $(NEWEST_LIGHTNING)
+	$(call leg,$(LEG_VENVS)/newest,$(NEWEST_TORCH) $(NEWEST_LIGHTNING),test-newest,170,$(CORE_TESTS))

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Torchrun, check, worker_env
+from conftest import Torchrun, check, needs_cpu_fp16, worker_env
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -33,6 +33,7 @@ def test_demo_runs_unchanged_as_one_process() -> None:
 CLI = EXAMPLES / "cli"
 
 
+@needs_cpu_fp16
 def test_cli_config_with_amp_o1_trains_on_two_ranks(torchrun: Torchrun, tmp_path: Path) -> None:
     # lightning_ddp_amp.cli.LightningCLI: `trainer.precision: amp-O1` (native here: no apex on the CPU).
     args = ("fit", "--config", str(CLI / "amp_o1.yaml"), "--trainer.default_root_dir", str(tmp_path))
@@ -40,6 +41,7 @@ def test_cli_config_with_amp_o1_trains_on_two_ranks(torchrun: Torchrun, tmp_path
     assert "`Trainer.fit` stopped: `max_epochs=2` reached." in result.stdout
 
 
+@needs_cpu_fp16
 def test_lightnings_own_cli_takes_the_plugin_in_trainer_plugins(tmp_path: Path) -> None:
     args = ["fit", "--config", str(CLI / "plugins.yaml"), "--trainer.default_root_dir", str(tmp_path)]
     result = subprocess.run(
@@ -53,6 +55,7 @@ def test_lightnings_own_cli_takes_the_plugin_in_trainer_plugins(tmp_path: Path) 
     assert "AmpPrecision: NVIDIA apex amp is not importable, so opt_level O1 runs on torch.amp" in result.stderr
 
 
+@needs_cpu_fp16
 def test_cli_config_with_apex_o1_runs_with_the_apex_double(tmp_path: Path) -> None:
     # The apex config as written needs a GPU; the CPU test double of apex stands in, on the CPU.
     args = [
@@ -77,11 +80,13 @@ def test_cli_config_with_apex_o1_runs_with_the_apex_double(tmp_path: Path) -> No
     assert "not importable" not in output  # apex (the double) ran, not the native fallback
 
 
+@needs_cpu_fp16
 def test_two_models_one_optimizer_trains_on_two_ranks_with_amp_o1(torchrun: Torchrun) -> None:
     result = check(torchrun.run(str(EXAMPLES / "two_models_one_optimizer.py"), "--epochs", "1"))
     assert "amp-O1: native amp O1 on 2 rank(s); final loss" in result.stdout
 
 
+@needs_cpu_fp16
 def test_two_models_one_optimizer_with_apex_o1_runs_with_the_apex_double() -> None:
     # `--precision apex-O1` needs a GPU with real apex; the CPU test double stands in, on the CPU.
     result = subprocess.run(

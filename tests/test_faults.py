@@ -20,6 +20,7 @@ from conftest import (
     free_port,
     launcher_variables,
     max_abs_difference,
+    needs_cpu_fp16,
     start_python,
 )
 
@@ -109,6 +110,7 @@ def test_a_killed_rank_restarts_and_ends_with_the_uninterrupted_weights(
     print(f"steps lost to the crash at step {kill_at}: {kill_at - resumed_at} (checkpoint every {every} steps)")
 
 
+@needs_cpu_fp16
 def test_native_fp16_restart_restores_the_loss_scaler(torchrun: Torchrun, runs: Path) -> None:
     baseline, out = runs / "fp16-uninterrupted", runs / "fp16-killed"
     run(torchrun, baseline, "--precision", "native-fp16")
@@ -123,6 +125,7 @@ def test_native_fp16_restart_restores_the_loss_scaler(torchrun: Torchrun, runs: 
     assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
 
 
+@needs_cpu_fp16
 def test_apex_restart_restores_the_amp_state(torchrun: Torchrun, runs: Path) -> None:
     baseline, out = runs / "apex-uninterrupted", runs / "apex-killed"
     run(torchrun, baseline, "--precision", "apex-O1", apex_double=True)

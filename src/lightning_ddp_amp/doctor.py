@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from lightning_ddp_amp import _lightning
+from lightning_ddp_amp import _lightning, native_amp, process_group
 from lightning_ddp_amp.apex_amp import _INSTALL as APEX_INSTALL
 from lightning_ddp_amp.apex_amp import NATIVE_ALTERNATIVES
 from lightning_ddp_amp.devices import select_devices
@@ -46,6 +46,9 @@ from lightning_ddp_amp.environment import (
 from lightning_ddp_amp.errors import LightningDDPAmpError
 
 #: apex's compiled extensions: what each one is for, as the report says it.
+#: The oldest torch release the package supports (pyproject.toml: torch>=2.1; CI runs 2.1.2, 2.13.0 and the newest).
+OLDEST_TORCH = Version("2.1")
+
 APEX_EXTENSIONS = {
     "amp_C": "fused multi-tensor kernels of apex.amp and apex.optimizers",
     "apex_C": "flatten/unflatten of apex.parallel.DistributedDataParallel",
@@ -216,6 +219,15 @@ def _versions(problems: list[dict[str, str]]) -> dict[str, Any]:
         "lightning": _distribution_version("lightning"),
         "pytorch_lightning": _distribution_version("pytorch-lightning"),
     }
+    # What this torch lacks, probed, and what the package does without it.
+    section["torch_gaps"] = process_group.torch_gaps() + native_amp.torch_gaps()
+    if Version(torch.__version__).release < OLDEST_TORCH.release:
+        problems.append(
+            {
+                "problem": f"torch {torch.__version__} is older than the releases lightning-ddp-amp supports",
+                "fix": f"pip install 'torch>={OLDEST_TORCH}'",
+            }
+        )
     low, high = _lightning.TESTED_LIGHTNING
     for name in ("lightning", "pytorch_lightning"):
         installed = section[name]
@@ -405,6 +417,8 @@ def render(data: Mapping[str, Any]) -> str:
             for name in ("python", "torch", "torch_cuda", "cudnn", "nccl", "lightning", "pytorch_lightning")
         )
     )
+    for gap in versions.get("torch_gaps", []):
+        lines.append(f"  without    {gap}")
     backends = data["backends"]
     if backends["distributed"]:
         available = [name for name in ("gloo", "nccl", "mpi", "ucc") if backends[name]]

@@ -20,12 +20,15 @@ O3        whole model in fp16, loss scale 1                     the selected mod
 ========  ===================================================  ================================================
 
 ``dtype="bfloat16"`` runs the same levels in bfloat16, which needs no loss scaling. On the CPU, autocast and
-``GradScaler`` work as on CUDA (torch ≥ 2.3).
+``GradScaler`` work as on CUDA from torch 2.3 on; with an older torch, float16 on the CPU is an error naming what
+this torch lacks (:func:`cpu_fp16_missing`), and CUDA uses ``torch.cuda.amp.GradScaler``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +37,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+
+from lightning_ddp_amp.errors import PrecisionConfigurationError
 
 
 def describe(opt_level: str, dtype: torch.dtype) -> str:
@@ -56,6 +61,63 @@ def lightning_precision(opt_level: str, dtype: torch.dtype) -> str:
     """The Lightning precision label for a level (what ``trainer.precision`` reports)."""
     prefix = "bf16" if dtype == torch.bfloat16 else "16"
     return {"O0": "32-true", "O1": f"{prefix}-mixed", "O2": f"{prefix}-mixed", "O3": f"{prefix}-true"}[opt_level]
+
+
+@functools.cache
+def cpu_fp16_missing() -> tuple[str, ...]:
+    """What this torch lacks to train in float16 on the CPU; empty when it has it all (torch 2.3 and later).
+
+    A probe, not a version check: it runs an fp16 linear, conv2d and bmm, a linear under
+    ``torch.autocast("cpu", dtype=torch.float16)``, and scales a tensor with ``torch.amp.GradScaler("cpu")``.
+    """
+    half = torch.float16
+
+    def autocast_linear() -> Tensor:
+        # torch 2.1 warns and disables CPU autocast for float16 instead of raising: the dtype tells.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast("cpu", dtype=half):
+                return torch.nn.functional.linear(torch.ones(2, 2), torch.ones(2, 2))
+
+    def ones(*shape: int) -> Tensor:
+        return torch.ones(*shape, dtype=half)
+
+    probes: dict[str, tuple[Callable[[], Tensor], torch.dtype]] = {
+        "fp16 linear": (lambda: torch.nn.functional.linear(ones(2, 2), ones(2, 2)), half),
+        "fp16 conv2d": (lambda: torch.nn.functional.conv2d(ones(1, 1, 3, 3), ones(1, 1, 2, 2)), half),
+        "fp16 bmm": (lambda: torch.bmm(ones(1, 2, 2), ones(1, 2, 2)), half),
+        'torch.autocast("cpu", dtype=torch.float16)': (autocast_linear, half),
+        'torch.amp.GradScaler("cpu")': (lambda: torch.amp.GradScaler("cpu").scale(torch.ones(1)), torch.float32),
+    }
+    missing = []
+    for name, (probe, dtype) in probes.items():
+        try:
+            works = probe().dtype == dtype
+        except Exception:  # whatever this torch raises for an operation it lacks
+            works = False
+        if not works:
+            missing.append(name)
+    return tuple(missing)
+
+
+def torch_gaps() -> list[str]:
+    """What this torch lacks that the native backend would use, and what it does instead; empty on torch >= 2.3."""
+    gaps = []
+    if not hasattr(torch.amp, "GradScaler"):
+        gaps.append(f"torch {torch.__version__} has no torch.amp.GradScaler, so CUDA uses torch.cuda.amp.GradScaler")
+    if cpu_fp16_missing():
+        gaps.append(
+            f"torch {torch.__version__} lacks {', '.join(cpu_fp16_missing())}, so native float16 AMP runs on CUDA"
+            " only (bfloat16 and fp32 run on the CPU)"
+        )
+    return gaps
+
+
+def _grad_scaler(device_type: str, **options: Any) -> Any:
+    """``torch.amp.GradScaler``, or on CUDA before torch 2.3 (which lacks it) ``torch.cuda.amp.GradScaler``."""
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler(device_type, **options)
+    return torch.cuda.amp.GradScaler(**options)
 
 
 class NativeAmp:
@@ -89,13 +151,20 @@ class NativeAmp:
         self._scale = 0.0  # the scale after the last step, to tell a skipped step from the next one
         self.cast_batch = False
         self._hooks: list[Any] = []
+        if device_type == "cpu" and dtype == torch.float16 and opt_level != "O0" and cpu_fp16_missing():
+            raise PrecisionConfigurationError(
+                "dtype",
+                "float16",
+                f"torch {torch.__version__} cannot train in float16 on the CPU: it lacks {', '.join(cpu_fp16_missing())}",
+                'use dtype="bfloat16" (precision="bf16-mixed") on the CPU, train on CUDA, or install torch>=2.3',
+            )
         if self.autocast and dtype == torch.float16:
             if loss_scale is None or loss_scale == "dynamic":
-                self.scaler = torch.amp.GradScaler(device_type, init_scale=min(max_loss_scale, 2.0**16))
+                self.scaler = _grad_scaler(device_type, init_scale=min(max_loss_scale, 2.0**16))
             else:
                 # A fixed scale: it never grows, and an overflowing step is skipped and the scale restored.
                 self.min_loss_scale = float(loss_scale)
-                self.scaler = torch.amp.GradScaler(device_type, init_scale=float(loss_scale), growth_interval=_NEVER)
+                self.scaler = _grad_scaler(device_type, init_scale=float(loss_scale), growth_interval=_NEVER)
             self._scale = self.scaler.get_scale()
 
     def prepare(self, root: Module, selected: list[Module], cast_model_outputs: torch.dtype | None) -> None:

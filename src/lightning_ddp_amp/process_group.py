@@ -3,10 +3,14 @@
 The group is started on a store of its own attempt: under ``torchrun --max-restarts``, a restarted group that met
 on the launcher's store could read the addresses the previous attempt left there and fail to connect. Keys are
 therefore namespaced by ``TORCHELASTIC_RESTART_COUNT`` (a ``PrefixStore`` over the launcher's ``TCPStore``).
+
+torch releases from 2.1 on are supported. What an older one lacks is probed here, not read from its version number,
+and done without: :func:`torch_gaps` names it.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import signal
@@ -28,6 +32,25 @@ _PEER_GONE = re.compile(
 )
 _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 _JOINED_KEY = "joined"
+
+#: Binding the group to the rank's CUDA device (``init_process_group(device_id=...)``, torch 2.3 and later) lets NCCL
+#: connect eagerly; without it the group connects at its first collective, which works the same, only later.
+BINDS_DEVICE = "device_id" in inspect.signature(dist.init_process_group).parameters
+# What a store or a connection raises when peers do not arrive in time. torch 2.2 added DistError and its store and
+# network subclasses; before, the store's timeout is their base class, RuntimeError ("Socket Timeout"), and a client
+# that cannot reach the store raises TimeoutError.
+_StoreError: type[Exception] = getattr(dist, "DistStoreError", RuntimeError)
+_NetworkError: type[Exception] = getattr(dist, "DistNetworkError", TimeoutError)
+
+
+def torch_gaps() -> list[str]:
+    """What this torch lacks that the process group would use, and what is done instead; empty on torch >= 2.3."""
+    if BINDS_DEVICE:
+        return []
+    return [
+        f"torch {torch.__version__}'s init_process_group has no device_id, so the group is not bound to the rank's"
+        " CUDA device (NCCL connects at the first collective instead)"
+    ]
 
 
 def init_process_group(topology: Topology, backend: str, timeout: timedelta, device: torch.device) -> None:
@@ -55,15 +78,11 @@ def init_process_group(topology: Topology, backend: str, timeout: timedelta, dev
         )
         attempt_store = dist.PrefixStore(f"lightning_ddp_amp/attempt_{attempt}", store)  # type: ignore[attr-defined]
         attempt_store.add(_JOINED_KEY, 1)  # counted, so that a timeout can say how many ranks arrived
+        binding: dict[str, Any] = {"device_id": device} if BINDS_DEVICE and device.type == "cuda" else {}
         dist.init_process_group(
-            backend,
-            store=attempt_store,
-            rank=topology.rank,
-            world_size=topology.world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
+            backend, store=attempt_store, rank=topology.rank, world_size=topology.world_size, timeout=timeout, **binding
         )
-    except (dist.DistStoreError, dist.DistNetworkError, dist.DistBackendError) as error:
+    except (_StoreError, _NetworkError, dist.DistBackendError) as error:
         raise _missing_peers(topology, timeout, error, _joined(store, attempt)) from error
 
 
@@ -72,7 +91,7 @@ def _joined(store: Any, attempt: str) -> int | None:
         return None
     try:
         count: int = store.add(f"lightning_ddp_amp/attempt_{attempt}/{_JOINED_KEY}", 0)
-    except (RuntimeError, dist.DistError):
+    except (RuntimeError, _NetworkError):
         return None
     return count
 

@@ -55,7 +55,12 @@ from lightning_ddp_amp.data import explain_loader_state_mismatch, shard_dataload
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError, TopologyMismatchError
-from lightning_ddp_amp.process_group import destroy_process_group, explain_peer_failure, init_process_group
+from lightning_ddp_amp.process_group import (
+    destroy_process_group,
+    explain_peer_failure,
+    init_process_group,
+    torch_gaps,
+)
 from lightning_ddp_amp.resume import (
     PREEMPTED_EXIT_CODE,
     PREEMPTION,
@@ -497,6 +502,8 @@ class EnvDDPStrategy(DDPStrategy):
         rank_zero_info(
             f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
             f" backend {self._process_group_backend}, launched by {self._topology.launcher}"
+            # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
+            + "".join(f"; {gap}" for gap in (torch_gaps() if self.root_device.type == "cuda" else []))
         )
         self.barrier("envddp: process group ready")
 

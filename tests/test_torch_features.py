@@ -1,0 +1,171 @@
+"""torch releases from 2.1 on: what the package does where a release lacks a feature it uses (probed, done without,
+named), and the clear error where a user asks for what this torch cannot do."""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port
+from packaging.version import Version
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError, doctor, native_amp, process_group
+from lightning_ddp_amp.environment import Topology
+
+TORCH_RELEASE = Version(torch.__version__).release
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_on_the_cpu(precision: AmpPrecision) -> L.Trainer:
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[precision],
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression(), data)
+    return trainer
+
+
+@pytest.fixture
+def torch_without_cpu_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This torch, as the package sees one without CPU float16 (torch before 2.3)."""
+    monkeypatch.setattr(native_amp, "cpu_fp16_missing", lambda: ("fp16 linear", 'torch.autocast("cpu", ...)'))
+
+
+def test_cpu_fp16_probe_agrees_with_the_releases_known_to_have_it() -> None:
+    # CPU float16 matmuls, CPU fp16 autocast and torch.amp.GradScaler all arrived in torch 2.3.
+    assert bool(native_amp.cpu_fp16_missing()) == (TORCH_RELEASE < (2, 3))
+
+
+def test_native_fp16_on_a_cpu_without_fp16_is_an_error_naming_what_torch_lacks(torch_without_cpu_fp16: None) -> None:
+    expected = (
+        r"^dtype='float16': torch \S+ cannot train in float16 on the CPU: it lacks fp16 linear,"
+        r' torch.autocast\("cpu", ...\). Fix: use dtype="bfloat16"'
+    )
+    with pytest.raises(PrecisionConfigurationError, match=expected):
+        fit_on_the_cpu(AmpPrecision(backend="native", opt_level="O1"))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_every_fp16_level_is_refused_on_a_cpu_without_fp16(torch_without_cpu_fp16: None, level: str) -> None:
+    with pytest.raises(PrecisionConfigurationError, match="cannot train in float16 on the CPU"):
+        fit_on_the_cpu(AmpPrecision(backend="native", opt_level=level))
+
+
+@pytest.mark.parametrize("precision", [{"dtype": "bfloat16"}, {"opt_level": "O0"}])
+def test_bfloat16_and_fp32_train_on_a_cpu_without_fp16(torch_without_cpu_fp16: None, precision: Any) -> None:
+    assert fit_on_the_cpu(AmpPrecision(backend="native", **precision)).global_step == 2
+
+
+@pytest.mark.skipif(not native_amp.cpu_fp16_missing(), reason="this torch has CPU float16 (torch 2.3 and later)")
+def test_this_torch_refuses_native_fp16_on_the_cpu() -> None:
+    with pytest.raises(PrecisionConfigurationError, match=r"cannot train in float16 on the CPU.*install torch>=2.3"):
+        fit_on_the_cpu(AmpPrecision(backend="native"))
+
+
+def test_cuda_scaler_falls_back_to_torch_cuda_amp_where_torch_amp_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available" here; deprecated on torch that has torch.amp's
+        amp = native_amp.NativeAmp("O1", torch.float16, "cuda", None, None, 2.0**24)
+    assert isinstance(amp.scaler, torch.cuda.amp.GradScaler)
+
+
+@pytest.fixture
+def recorded_init(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """init_process_group's keyword arguments; the store and the group are doubles, no peer exists."""
+    recorded: dict[str, Any] = {}
+
+    class StoreDouble:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def add(self, key: str, amount: int) -> int:
+            return amount
+
+    monkeypatch.setattr(dist, "TCPStore", StoreDouble)
+    monkeypatch.setattr(dist, "PrefixStore", StoreDouble)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: recorded.update(kwargs))
+    return recorded
+
+
+TWO_RANKS = Topology(
+    rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=29500, launcher="torchrun"
+)
+
+
+@pytest.mark.parametrize("binds", [True, False])
+def test_group_is_bound_to_the_cuda_device_only_where_torch_can(
+    recorded_init: dict[str, Any], monkeypatch: pytest.MonkeyPatch, binds: bool
+) -> None:
+    monkeypatch.setattr(process_group, "BINDS_DEVICE", binds)
+    process_group.init_process_group(TWO_RANKS, "gloo", timedelta(seconds=5), torch.device("cuda", 1))
+    assert recorded_init.get("device_id") == (torch.device("cuda", 1) if binds else None)
+    assert ("device_id" in recorded_init) == binds
+
+
+def test_cpu_groups_are_never_bound_to_a_device(recorded_init: dict[str, Any]) -> None:
+    process_group.init_process_group(TWO_RANKS, "gloo", timedelta(seconds=5), torch.device("cpu"))
+    assert "device_id" not in recorded_init
+
+
+def test_device_binding_is_probed_from_init_process_groups_signature() -> None:
+    # device_id arrived in torch 2.3; the package reads the signature, this test the release.
+    assert (TORCH_RELEASE >= (2, 3)) == process_group.BINDS_DEVICE
+
+
+def test_what_torch_lacks_for_the_group_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(process_group, "BINDS_DEVICE", True)
+    assert process_group.torch_gaps() == []
+    monkeypatch.setattr(process_group, "BINDS_DEVICE", False)
+    (gap,) = process_group.torch_gaps()
+    assert "init_process_group has no device_id" in gap
+
+
+def test_a_rank_alone_is_a_peer_error_counting_the_ranks_that_joined() -> None:
+    # The store's timeout is DistStoreError where torch has it, its base class before torch 2.2.
+    alone = Topology(
+        rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=free_port(), launcher="torchrun"
+    )
+    with pytest.raises(PeerError, match=r"^WORLD_SIZE=2: rank 0 waited 1s .* only 1 of 2 ranks joined"):
+        process_group.init_process_group(alone, "gloo", timedelta(seconds=1), torch.device("cpu"))
+
+
+def test_the_doctor_lists_what_this_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(process_group, "BINDS_DEVICE", False)
+    data = doctor.report(argv=[])
+    assert any("init_process_group has no device_id" in gap for gap in data["versions"]["torch_gaps"])
+    assert "\n  without    torch " in doctor.render(data)
+
+
+def test_the_doctor_flags_a_torch_older_than_2_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.0.1")
+    problems = doctor.report(argv=[])["problems"]
+    assert {
+        "problem": "torch 2.0.1 is older than the releases lightning-ddp-amp supports",
+        "fix": "pip install 'torch>=2.1'",
+    } in problems
