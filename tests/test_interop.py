@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import WORKERS, check, finish, free_port, start_python
+from conftest import WORKERS, check, finish, free_port, launcher_variables, start_python
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.environments import (
     ClusterEnvironment,
@@ -29,15 +29,7 @@ from lightning_ddp_amp import (
 )
 
 #: What torchrun exports to local rank 1 of 2 on a one-node job.
-TORCHRUN_RANK_1_OF_2 = {
-    "RANK": "1",
-    "LOCAL_RANK": "1",
-    "WORLD_SIZE": "2",
-    "LOCAL_WORLD_SIZE": "2",
-    "MASTER_ADDR": "127.0.0.1",
-    "MASTER_PORT": "29500",
-    "TORCHELASTIC_RUN_ID": "none",
-}
+TORCHRUN_RANK_1_OF_2 = {**launcher_variables(1, 29500), "TORCHELASTIC_RUN_ID": "none"}
 #: What a Kubeflow PyTorchJob exports to the pod of rank 1 of 2: no LOCAL_* variables, one process per pod.
 KUBEFLOW_POD_1_OF_2 = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
 

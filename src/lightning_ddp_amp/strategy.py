@@ -284,11 +284,10 @@ class EnvDDPStrategy(DDPStrategy):
         """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
         until then)."""
         if self._devices is None and self.accelerator is not None:
-            self._use_launcher_unless_given()
             on_cuda = isinstance(self.accelerator, CUDAAccelerator)
             self._devices = select_devices(
                 "cuda" if on_cuda else "cpu",
-                self._topology,
+                self.topology,
                 torch.cuda.device_count() if on_cuda else 0,
                 self._requested_cuda_indices,
             )
@@ -312,8 +311,7 @@ class EnvDDPStrategy(DDPStrategy):
     @property
     @override
     def num_nodes(self) -> int:
-        self._use_launcher_unless_given()
-        return self._topology.num_nodes
+        return self.topology.num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
@@ -344,8 +342,7 @@ class EnvDDPStrategy(DDPStrategy):
                 " evaluation shards exact",
                 "drop use_distributed_sampler=False, or drop exact_eval and shard the eval sets yourself",
             )
-        self._use_launcher_unless_given()
-        topology = self._topology
+        topology = self.topology
         if num_nodes != 1 and num_nodes != topology.num_nodes:
             raise TopologyMismatchError(
                 "num_nodes",
