@@ -24,10 +24,10 @@ OLDEST_TORCH := torch==2.1.2 'numpy<2'
 # The core the other torch releases run: real ranks under torchrun (training, equivalence with the recipe, launchers
 # through the examples), AMP in one process and on ranks, fault injection, the CLI (examples, and both Lightning
 # namespaces), and the torch feature probes. Tests that need what an older torch lacks (CPU float16 before 2.3) skip
-# and say why. Without the ten-run exit-code loop, as in test-lowest; on torch 2.1 it also meets torch's own exit
-# deadlock (gloo's process group destructor waits for a worker thread while holding the GIL, pytorch/pytorch#154976).
+# and say why. With the ten-run exit-code loop: older torch is where a finished run could hang at exit (torch's
+# process group destructor held the GIL while joining gloo's workers, pytorch/pytorch#154976; process_group.py).
 CORE_TESTS := tests/test_multiprocess.py tests/test_amp_multiprocess.py tests/test_faults.py tests/test_examples.py \
-	tests/test_namespaces.py tests/test_precision.py tests/test_torch_features.py -k "not exit_zero_every_time"
+	tests/test_namespaces.py tests/test_precision.py tests/test_torch_features.py
 REPORTS := build/test-reports
 # The small virtualenvs of the other legs (.ci/venv); build/ is git-ignored, so ruff and git leave them alone.
 LEG_VENVS := build/venvs

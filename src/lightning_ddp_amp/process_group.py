@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +42,11 @@ BINDS_DEVICE = "device_id" in inspect.signature(dist.init_process_group).paramet
 # that cannot reach the store raises TimeoutError.
 _StoreError: type[Exception] = getattr(dist, "DistStoreError", RuntimeError)
 _NetworkError: type[Exception] = getattr(dist, "DistNetworkError", TimeoutError)
+#: How long the teardown lets the group's worker threads finish with the last collective, with the GIL released.
+#: Until pytorch/pytorch#154976, a process group's destructor joins those threads while holding the GIL; a worker
+#: that is still freeing the last collective's tensors needs the GIL to drop their Python objects, so the finished
+#: process hangs at exit (seen on torch 2.1 with gloo, about one exit in three after a collective just before exit).
+_WORKERS_LET_GO_S = 0.1
 
 
 def torch_gaps() -> list[str]:
@@ -140,6 +146,7 @@ def destroy_process_group() -> None:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
+        time.sleep(_WORKERS_LET_GO_S)
         dist.destroy_process_group()
     finally:
         if previous is not None:
