@@ -1,18 +1,36 @@
-"""The private Lightning API that lightning_ddp_amp._lightning relies on. CI runs this file against the lowest
-and the highest Lightning release the package declares, so a Lightning change breaks here first."""
+"""The private Lightning API that lightning_ddp_amp relies on: the functions of ``_lightning.py``, and the protected
+members its subclasses of Lightning's classes inherit (``_lightning.INHERITED``). CI runs this file against the
+lowest and the highest Lightning release the package declares, so a Lightning change breaks here first."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
+import pkgutil
+import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from lightning.fabric.utilities.data import _replace_dunder_methods
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loops import _TrainingEpochLoop
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from lightning.pytorch.utilities import CombinedLoader
+from packaging.version import Version
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
-from lightning_ddp_amp import _lightning
+import lightning_ddp_amp
+from lightning_ddp_amp import EnvDDPStrategy, _lightning
+from lightning_ddp_amp.precision import resolve_precision_flag
 
 DATASET = TensorDataset(torch.arange(8))
 
@@ -26,7 +44,7 @@ def test_tested_range_covers_the_installed_lightning() -> None:
 
 def test_trainer_hook_is_installed_once() -> None:
     hooked = _AcceleratorConnector.__init__
-    _lightning.install_trainer_hook()
+    _lightning.install_trainer_hook(resolve_precision_flag)
     assert _AcceleratorConnector.__init__ is hooked
 
 
@@ -79,3 +97,265 @@ def test_rebuild_replaces_a_positional_batch_size() -> None:
     rebuilt = _lightning.rebuild_dataloader(loader, SequentialSampler(DATASET), batch_size=1)
     assert rebuilt.batch_size == 1
     assert len(list(rebuilt)) == 8
+
+
+def test_trainer_hook_reads_the_connector_arguments_it_hands_on() -> None:
+    parameters = inspect.signature(_AcceleratorConnector.__init__).parameters
+    assert {"precision", "plugins", "devices", "num_nodes", "use_distributed_sampler"} <= parameters.keys()
+
+
+class SetupRecordingPrecision(Precision):
+    """Test double: a precision plugin that records what the hook passes to ``check_trainer_setup``."""
+
+    seen: tuple[Any, Any] | None = None
+
+    def check_trainer_setup(self, strategy: Any, accelerator: Any) -> None:
+        self.seen = (strategy, accelerator)
+
+
+def test_trainer_hook_hands_the_finished_strategy_and_accelerator_to_the_precision_plugin() -> None:
+    plugin = SetupRecordingPrecision()
+    trainer = L.Trainer(accelerator="cpu", plugins=[plugin], logger=False)
+    assert plugin.seen == (trainer.strategy, trainer.accelerator)
+
+
+def test_optimizers_to_device_moves_the_state_an_optimizer_holds() -> None:
+    parameter = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.1, momentum=0.9)
+    parameter.grad = torch.ones(2)
+    optimizer.step()
+    _lightning.optimizers_to_device([optimizer], torch.device("meta"))
+    assert optimizer.state[parameter]["momentum_buffer"].device.type == "meta"
+
+
+#: Lightning broadcasts rank 0's SIGTERM flag at every training step from this release on.
+SIGTERM_BROADCAST_SINCE = Version("2.5.2")
+
+
+def test_the_sigterm_broadcast_exists_exactly_from_the_release_that_added_it() -> None:
+    has_it = hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+    assert has_it == (Version(L.__version__) >= SIGTERM_BROADCAST_SINCE)
+
+
+@pytest.mark.skipif(Version(L.__version__) < SIGTERM_BROADCAST_SINCE, reason="Lightning has no SIGTERM broadcast")
+def test_the_training_step_broadcasts_sigterm_through_the_method_the_fence_shadows() -> None:
+    calls = [
+        ast.unparse(node.func)
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(_TrainingEpochLoop.advance))))
+        if isinstance(node, ast.Call)
+    ]
+    assert "self._broadcast_sigterm_tensor" in calls
+    assert list(inspect.signature(_TrainingEpochLoop._broadcast_sigterm_tensor).parameters) == ["self"]
+
+
+def test_disable_sigterm_broadcast_silences_only_the_given_trainers_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    silenced, other = L.Trainer(accelerator="cpu", logger=False), L.Trainer(accelerator="cpu", logger=False)
+    broadcasts: list[Any] = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *args, **kwargs: broadcasts.append(args))
+    _lightning.disable_sigterm_broadcast(silenced)
+    getattr(silenced.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", lambda: None)()
+    assert broadcasts == []
+    assert "_broadcast_sigterm_tensor" not in vars(other.fit_loop.epoch_loop)
+
+
+def _quiet_trainer(**kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+class ProgressRecorder(Callback):
+    """Records the fence's view of the epoch's progress after each training batch (where checkpoints are saved)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen.append(_lightning.epoch_progress(trainer))
+
+
+def test_epoch_progress_counts_the_batches_of_the_current_epoch_whose_step_is_done() -> None:
+    recorder = ProgressRecorder()
+    _quiet_trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, callbacks=[recorder]).fit(BoringModel())
+    assert recorder.seen == [(1, 3), (2, 3), (3, 3)] * 2
+
+
+class HookRecorder(Callback):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.calls += 1
+
+
+def test_after_closure_runs_the_before_step_hooks_and_gradient_clipping() -> None:
+    recorder = HookRecorder()
+    trainer = _quiet_trainer(gradient_clip_val=1e-3, callbacks=[recorder])
+    model = BoringModel()
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    _lightning.after_closure(trainer.precision_plugin, model, optimizer)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert recorder.calls == 1
+    assert norm.item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_make_stateful_makes_lightning_save_and_restore_the_loader_state() -> None:
+    loader = DataLoader(DATASET)
+    restored: list[dict[str, Any]] = []
+    _lightning.make_stateful(loader, lambda: {"batches": 3}, restored.append)
+    assert isinstance(loader, _Stateful)
+    combined = CombinedLoader(loader, "max_size_cycle")
+    assert combined._state_dicts() == [{"batches": 3}]
+    combined._load_state_dicts([{"batches": 2}])
+    assert restored == [{"batches": 2}]
+
+
+def test_is_loader_state_mismatch_recognises_lightnings_error() -> None:
+    with pytest.raises(RuntimeError) as raised:
+        CombinedLoader(DataLoader(DATASET), "max_size_cycle")._load_state_dicts([{"batches": 2}])
+    assert _lightning.is_loader_state_mismatch(raised.value)
+    assert not _lightning.is_loader_state_mismatch(RuntimeError("CUDA out of memory"))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_unrepeated_sampler_gives_each_sample_to_exactly_one_rank(shuffle: bool) -> None:
+    shards = [
+        list(_lightning.UnrepeatedDistributedSampler(range(5), shuffle=shuffle, num_replicas=2, rank=rank, seed=0))
+        for rank in range(2)
+    ]
+    assert sorted(shards[0] + shards[1]) == list(range(5))
+
+
+def test_the_unrepeated_sampler_wrapper_shards_a_users_sampler_without_repeats() -> None:
+    shards = [
+        list(
+            _lightning.UnrepeatedDistributedSamplerWrapper(
+                SequentialSampler(range(5)), shuffle=False, num_replicas=2, rank=rank, seed=0
+            )
+        )
+        for rank in range(2)
+    ]
+    assert sorted(shards[0] + shards[1]) == list(range(5))
+
+
+def test_the_strategy_registry_type_is_the_type_of_lightnings_registry() -> None:
+    assert isinstance(StrategyRegistry, _lightning.StrategyRegistryType)
+    registry = _lightning.StrategyRegistryType()
+    EnvDDPStrategy.register_strategies(registry)
+    assert registry.available_strategies() == ["envddp", "envddp_find_unused_parameters_true"]
+
+
+def _package_classes() -> Iterator[type[Any]]:
+    """Every class the package defines (the one source of truth, not the ``pytorch_lightning`` flavour)."""
+    for module in pkgutil.iter_modules(lightning_ddp_amp.__path__):
+        if module.ispkg or module.name == "__main__":
+            continue
+        imported = importlib.import_module(f"lightning_ddp_amp.{module.name}")
+        for _, cls in inspect.getmembers(imported, inspect.isclass):
+            if cls.__module__ == imported.__name__:
+                yield cls
+
+
+def _is_lightning(cls: type[Any]) -> bool:
+    return cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def _protected(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _members_in_source(cls: type[Any]) -> set[str]:
+    """Protected names a class's own source defines or uses on ``self``, ``cls`` or ``super()``."""
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
+                isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super"
+            ):
+                names.add(node.attr)
+    return {name for name in names if _protected(name)}
+
+
+def _lightning_members(cls: type[Any]) -> set[str]:
+    """Protected members of the Lightning classes ``cls`` derives from: methods, and attributes set on ``self``."""
+    bases = [base for base in cls.__mro__ if _is_lightning(base)]
+    members = {name for base in bases for name in vars(base) if _protected(name)}
+    for base in bases:
+        try:
+            members |= _members_in_source(base)
+        except (OSError, TypeError):  # a class without Python source (typing.Protocol's machinery, say)
+            continue
+    return members
+
+
+LIGHTNING_SUBCLASSES = [
+    cls for cls in _package_classes() if not _is_lightning(cls) and any(map(_is_lightning, cls.__mro__))
+]
+
+
+def test_the_package_uses_exactly_the_inherited_members_it_declares() -> None:
+    used: dict[type[Any], set[str]] = {base: set() for base in _lightning.INHERITED}
+    for cls in LIGHTNING_SUBCLASSES:
+        own = set().union(*(_members_in_source(c) for c in cls.__mro__ if c.__module__.startswith("lightning_ddp_amp")))
+        inherited = own & _lightning_members(cls)
+        declared_bases = [base for base in _lightning.INHERITED if issubclass(cls, base)]
+        assert declared_bases or not inherited, f"{cls.__name__} uses {sorted(inherited)}: declare them in INHERITED"
+        for base in declared_bases:
+            used[base] |= inherited
+    for base, declared in _lightning.INHERITED.items():
+        assert (base.__name__, sorted(used[base])) == (base.__name__, sorted(declared))
+
+
+@pytest.mark.parametrize(
+    ("base", "name"), [(base, name) for base, names in _lightning.INHERITED.items() for name in names]
+)
+def test_each_declared_inherited_member_still_exists(base: type[Any], name: str) -> None:
+    assert name in _lightning_members(base)
+
+
+OVERRIDES = [
+    (cls, name, base)
+    for cls in LIGHTNING_SUBCLASSES
+    for name in vars(cls)
+    if _protected(name) and callable(vars(cls)[name])
+    for base in [next((b for b in cls.__mro__[1:] if _is_lightning(b) and name in vars(b)), None)]
+    if base is not None
+]
+
+
+@pytest.mark.parametrize(("cls", "name", "base"), OVERRIDES, ids=[f"{c.__name__}.{n}" for c, n, _ in OVERRIDES])
+def test_each_protected_override_keeps_lightnings_parameters(cls: type[Any], name: str, base: type[Any]) -> None:
+    ours, theirs = inspect.signature(getattr(cls, name)), inspect.signature(getattr(base, name))
+    assert list(ours.parameters) == list(theirs.parameters)
+
+
+def test_the_overrides_cover_the_hooks_a_ddp_reader_looks_for() -> None:
+    overridden = {(cls.__name__, name) for cls, name, _ in OVERRIDES}
+    assert {("EnvDDPStrategy", "_setup_model"), ("EnvDDPStrategy", "_configure_launcher")} <= overridden
+
+
+LAUNCHERS = [cls for cls in _package_classes() if callable(getattr(cls, "launch", None)) and hasattr(cls, "kill")]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=[cls.__name__ for cls in LAUNCHERS])
+def test_each_launcher_has_every_member_of_lightnings_launcher_interface(launcher: type[Any]) -> None:
+    for name in _Launcher.__abstractmethods__:
+        assert hasattr(launcher, name), name
+        theirs = getattr(_Launcher, name)
+        if inspect.isfunction(theirs):
+            ours = list(inspect.signature(getattr(launcher, name)).parameters)
+            assert [each for each in ours if each in inspect.signature(theirs).parameters] == list(
+                inspect.signature(theirs).parameters
+            )

@@ -7,6 +7,7 @@ against both namespaces too.
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,62 @@ def test_every_copied_module_imports_only_the_standalone_package_and_the_copies(
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         for name in names:
             assert name.split(".")[0] != "lightning", f"{module}.py still imports {name}"
+            flavour = name.removeprefix(f"{_namespaces.NAMESPACE}.")
+            in_flavour = copied | set(_namespaces._PUBLIC_CLASSES)
+            assert flavour == name or flavour.split(".")[0] in in_flavour, f"{module}.py imports {name}: not copied"
             shared = name.removeprefix("lightning_ddp_amp.")
             assert shared == name or shared.split(".")[0] not in copied, f"{module}.py imports the original {name}"
+
+
+@pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules()))
+def test_every_copied_module_imports_in_the_standalone_flavour(module: str) -> None:
+    assert importlib.import_module(f"{_namespaces.NAMESPACE}.{module}").__file__ == str(SOURCE / f"{module}.py")
+
+
+def test_the_type_stubs_are_the_rewritten_sources() -> None:
+    # Type checkers and IDEs read the stubs, not the import hook: they must declare what the hook builds.
+    committed = {path: path.read_text() for path in _namespaces.STUBS.glob("*.pyi")}
+    expected = _namespaces.stubs()
+    stale = sorted(
+        path.name for path in committed.keys() | expected.keys() if committed.get(path) != expected.get(path)
+    )
+    assert not stale, (
+        f"stubs={stale}: out of date with the sources."
+        " Fix: python -c 'from lightning_ddp_amp import _namespaces; _namespaces.write_stubs()'"
+    )
+
+
+#: What the README recommends, as a user writes it, with one wrong argument.
+USER_FILE = """\
+import pytorch_lightning
+
+from lightning_ddp_amp.pytorch_lightning import AmpPrecision, EnvDDPStrategy
+
+s: pytorch_lightning.strategies.DDPStrategy = EnvDDPStrategy()
+p: pytorch_lightning.plugins.precision.Precision = AmpPrecision()
+EnvDDPStrategy(timeout="ten minutes")
+"""
+
+
+def test_a_user_file_type_checks_against_the_standalone_classes(tmp_path: Path) -> None:
+    # Were the classes Any, or lightning.pytorch's, the wrong argument would pass or the assignments would fail.
+    # The package comes from MYPYPATH, so that an error in its stubs is reported too.
+    (tmp_path / "user.py").write_text(USER_FILE)
+    command = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"), "user.py"]
+    env = worker_env({"MYPYPATH": str(SOURCE.parent)})
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, result.stdout + result.stderr
+    assert errors[0].startswith('user.py:7: error: Argument "timeout" to "EnvDDPStrategy" has incompatible type "str"')
+
+
+def test_process_wide_state_exists_once_in_both_flavours() -> None:
+    # A signal has one handler per process: whichever Trainer trains, its strategy watches the one SIGTERM flag.
+    from lightning_ddp_amp import resume
+
+    copied = importlib.import_module(f"{_namespaces.NAMESPACE}.resume")
+    assert copied is not resume
+    assert copied.PREEMPTION is resume.PREEMPTION
 
 
 def test_checking_whether_pytorch_lightning_is_installed_keeps_the_registration() -> None:
@@ -119,8 +174,15 @@ def test_a_failure_to_build_the_standalone_flavour_is_a_warning_not_a_broken_imp
 
 def test_lightning_users_do_not_import_pytorch_lightning() -> None:
     code = "import lightning_ddp_amp, sys; print('pytorch_lightning' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-X", "importtime", "-c", code]
+    result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+    imported = [
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    ]
+    assert "lightning_ddp_amp" in imported
+    standalone = [name for name in imported if name.split(".")[0] in ("pytorch_lightning", "lightning_fabric")]
+    assert not standalone
 
 
 def test_cli_accepts_the_precision_strings_in_a_config(tmp_path: Path) -> None:

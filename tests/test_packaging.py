@@ -118,6 +118,7 @@ def test_the_wheel_ships_the_type_marker_and_the_console_script(build: Build) ->
         (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
         scripts = wheel.read(entry_points).decode()
     assert "lightning_ddp_amp/py.typed" in names
+    assert "lightning_ddp_amp/pytorch_lightning/__init__.pyi" in names  # the types of the pytorch_lightning flavour
     assert "lightning-ddp-amp = lightning_ddp_amp.doctor:main" in scripts
 
 

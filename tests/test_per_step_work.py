@@ -23,8 +23,9 @@ DOCUMENTED = {
     "cluster_environment.LauncherEnvironment.local_rank",
     "cluster_environment.LauncherEnvironment.global_rank",
     "cluster_environment.LauncherEnvironment.world_size",
-    # The preemption check; returns at once without auto_resume.
+    # The preemption check (the strategy's hook hands it to auto-resume); returns at once without auto_resume.
     "strategy.EnvDDPStrategy.on_train_batch_start",
+    "resume.AutoResume.on_train_batch_start",
     # The no-op that stands in for Lightning's per-step SIGTERM broadcast (which waits for every rank).
     "_lightning.disable_sigterm_broadcast.<locals>.<lambda>",
     # Once per epoch, not per step: the sampler's order for the new epoch.
@@ -36,9 +37,11 @@ DOCUMENTED_AMP = DOCUMENTED | {
     "precision.AmpPrecision.backward.<locals>.run_backward",
     "precision.AmpPrecision.convert_input",
     "precision.AmpPrecision.forward_context",
-    "precision.AmpPrecision.native",
+    "precision.AmpPrecision._amp",
     "precision.AmpPrecision.optimizer_step",
-    "precision.AmpPrecision._scales_loss",
+    # Lightning's before-step hooks and gradient clipping, between the closure and the step (through the fence).
+    "_lightning.after_closure",
+    "native_amp.NativeAmp.scales_loss",
     "native_amp.NativeAmp.backward",
     "native_amp.NativeAmp.convert_input",
     "native_amp.NativeAmp.forward_context",

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import Flavour, _forget_apex, needs_cpu_fp16
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import (
@@ -254,6 +255,19 @@ def test_apex_with_lightnings_ddp_points_at_envddp(apex_double: ModuleType) -> N
     assert 'use strategy="envddp"' in message
 
 
+def test_apex_asks_the_strategy_whether_it_connects_precision_before_its_ddp_wrap(apex_double: ModuleType) -> None:
+    class InitializesBeforeTheWrap(DDPStrategy):
+        connects_precision_before_wrap = True
+
+    strategy = InitializesBeforeTheWrap()
+    assert trainer(strategy=strategy, devices=1, precision="apex-O1").strategy is strategy
+
+
+def test_the_native_backend_of_an_apex_plugin_is_a_clear_error(apex_double: ModuleType) -> None:
+    with pytest.raises(PrecisionConfigurationError, match=r"^backend='apex': AmpPrecision.native is the torch.amp"):
+        _ = AmpPrecision(backend="apex").native
+
+
 def test_apex_bfloat16_is_an_error(apex_double: ModuleType) -> None:
     with pytest.raises(PrecisionConfigurationError, match=r"^dtype='bfloat16': apex amp computes in float16 only"):
         AmpPrecision(backend="apex", dtype="bfloat16")
@@ -271,6 +285,13 @@ def test_apex_ddp_without_apex_is_an_error(no_apex: None) -> None:
 def test_apex_ddp_rejects_torch_ddp_options(apex_double: ModuleType) -> None:
     with pytest.raises(StrategyConfigurationError, match=r"^ddp_impl='apex': find_unused_parameters belong to torch"):
         EnvDDPStrategy(ddp_impl="apex", find_unused_parameters=True)
+
+
+@pytest.mark.parametrize("option", [{"broadcast_buffers": True}, {"static_graph": False}])
+def test_apex_ddp_rejects_torch_ddp_options_even_at_torchs_default(apex_double: ModuleType, option: Any) -> None:
+    # torch's defaults differ between releases (broadcast_buffers: True in 2.1, None in 2.13): refused on every one.
+    with pytest.raises(StrategyConfigurationError, match=rf"^ddp_impl='apex': {next(iter(option))} belong to torch"):
+        EnvDDPStrategy(ddp_impl="apex", **option)
 
 
 # --- native backend on the CPU --------------------------------------------------------------------------------

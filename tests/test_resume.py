@@ -18,8 +18,10 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
+from lightning_ddp_amp._namespaces import namespaced_modules
 from lightning_ddp_amp.data import shard_dataloader
-from lightning_ddp_amp.resume import PREEMPTION, checkpoint_dirs, newest_checkpoint
+from lightning_ddp_amp.preemption import PREEMPTION
+from lightning_ddp_amp.resume import checkpoint_dirs, newest_checkpoint
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))
 
@@ -215,7 +217,7 @@ def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> N
     script = tmp_path / "sigterm.py"
     script.write_text(
         "import os, signal, time\n"
-        "from lightning_ddp_amp.resume import PREEMPTION\n"
+        "from lightning_ddp_amp.preemption import PREEMPTION\n"
         "PREEMPTION.start(graceful=True)\n"
         "PREEMPTION.stop()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -225,3 +227,9 @@ def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> N
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode == -signal.SIGTERM
     assert "still alive" not in result.stdout
+
+
+def test_the_preemption_flag_lives_in_a_module_that_does_not_import_lightning() -> None:
+    # Such modules are shared by the lightning and pytorch_lightning flavours, so the flag exists once per process.
+    assert "preemption" not in namespaced_modules()
+    assert {"resume", "strategy"} <= namespaced_modules()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -13,11 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import worker_env
-from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_amp import EnvDDPStrategy, StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp import EnvDDPStrategy, StrategyConfigurationError, TopologyMismatchError, selflaunch
+from lightning_ddp_amp.ddp_options import DEVIATIONS
 
 TWO_RANKS = {
     "RANK": "1",
@@ -108,6 +112,24 @@ def test_devices_without_a_launcher_outside_a_script_says_how_to_launch() -> Non
     assert "`torchrun --nproc-per-node=N train.py`" in result.stderr
 
 
+def test_the_ranks_start_when_the_trainer_is_built_and_checking_the_flags_starts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[list[str]] = []
+
+    def launch(arguments: list[str]) -> None:
+        started.append(arguments)
+        raise SystemExit(0)  # the agent's exit once the ranks are done
+
+    monkeypatch.setattr(selflaunch, "plan", lambda nproc, max_restarts: [f"--nproc-per-node={nproc}", "train.py"])
+    monkeypatch.setattr(selflaunch, "launch", launch)
+    EnvDDPStrategy(accelerator=CPUAccelerator()).check_trainer_flags(devices=2, num_nodes=1)
+    assert started == []
+    with pytest.raises(SystemExit):
+        trainer(strategy="envddp", devices=2)
+    assert started == [["--nproc-per-node=2", "train.py"]]
+
+
 def test_one_device_without_a_launcher_trains_alone() -> None:
     t = trainer(strategy="envddp", devices=1)
     assert (t.world_size, t.num_devices) == (1, 1)
@@ -148,6 +170,38 @@ def test_strategy_instance_gets_the_same_checks(two_ranks: None) -> None:
 def test_only_changed_ddp_options_are_passed_on() -> None:
     strategy = EnvDDPStrategy(static_graph=True, bucket_cap_mb=50, gradient_as_bucket_view=False, init_sync=False)
     assert strategy.ddp_options == {"static_graph": True, "bucket_cap_mb": 50, "init_sync": False}
+
+
+def test_options_set_to_torchs_own_ddp_defaults_are_not_passed_on() -> None:
+    torch_defaults = inspect.signature(DistributedDataParallel).parameters
+    names = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "broadcast_buffers")
+    strategy = EnvDDPStrategy(**{name: torch_defaults[name].default for name in names})
+    assert strategy.ddp_options == {"gradient_as_bucket_view": True}
+
+
+def test_each_deviation_from_torchs_ddp_defaults_differs_from_them_and_says_why() -> None:
+    torch_defaults = inspect.signature(DistributedDataParallel).parameters
+    assert "gradient_as_bucket_view" in DEVIATIONS
+    for name, deviation in DEVIATIONS.items():
+        assert deviation.value != torch_defaults[name].default
+        assert deviation.reason
+
+
+def test_post_local_sgd_model_averaging_is_refused_naming_the_fix() -> None:
+    with pytest.raises(
+        StrategyConfigurationError,
+        match=r"^model_averaging_period=4: envddp does not run post-localSGD model averaging",
+    ) as raised:
+        EnvDDPStrategy(model_averaging_period=4)
+    assert "Fix: drop model_averaging_period and the PostLocalSGDState, or use Trainer(strategy='ddp')" in str(
+        raised.value
+    )
+
+
+def test_a_post_local_sgd_comm_state_is_refused_when_the_strategy_is_built() -> None:
+    state = post_localSGD.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=10)
+    with pytest.raises(StrategyConfigurationError, match=r"^model_averaging_period=None: envddp does not run"):
+        EnvDDPStrategy(ddp_comm_hook=post_localSGD.post_localSGD_hook, ddp_comm_state=state)
 
 
 def test_misspelled_ddp_option_is_caught_before_any_launch() -> None:
@@ -312,3 +366,8 @@ def test_backend_can_be_overridden(cuda_double: tuple[EnvDDPStrategy, list[str]]
     strategy = EnvDDPStrategy(accelerator=RecordingCUDAAccelerator(calls), process_group_backend="gloo")
     strategy.setup_environment()
     assert calls[-1].startswith("init_process_group(gloo,")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_auto_resume_setting_reads_back_as_given(enabled: bool) -> None:
+    assert EnvDDPStrategy(auto_resume=enabled).auto_resume is enabled

@@ -26,7 +26,7 @@ from lightning_ddp_amp.errors import (  # noqa: E402
     StrategyConfigurationError,
     TopologyMismatchError,
 )
-from lightning_ddp_amp.precision import AmpPrecision  # noqa: E402
+from lightning_ddp_amp.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
 from lightning_ddp_amp.strategy import EnvDDPStrategy  # noqa: E402
 
 __version__ = "0.1.0"
@@ -49,7 +49,7 @@ __all__ = [
 
 if EnvDDPStrategy.strategy_name not in StrategyRegistry:
     EnvDDPStrategy.register_strategies(StrategyRegistry)
-_lightning.install_trainer_hook()
+_lightning.install_trainer_hook(resolve_precision_flag)
 
 if __name__ == "lightning_ddp_amp":  # not in lightning_ddp_amp.pytorch_lightning, which is built from this file
     from lightning_ddp_amp import _namespaces

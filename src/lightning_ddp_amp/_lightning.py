@@ -1,8 +1,12 @@
 """The one place where lightning_ddp_amp touches Lightning's private API.
 
-(EnvDDPStrategy also uses the protected members it inherits from DDPStrategy, as any subclass does.) Each
-function says why it is needed. ``tests/test_lightning_internals.py`` exercises every one of them, and CI
-runs that file against the lowest and the highest Lightning release declared in ``pyproject.toml``.
+Each function and name here says why it is needed. The package's subclasses of Lightning's classes also use
+the protected members they inherit, as any subclass does (``EnvDDPStrategy`` overrides ``_configure_launcher``,
+``_setup_model`` and ``_register_ddp_hooks``, and reads ``_ddp_kwargs``, ``_launcher``, ...); :data:`INHERITED`
+lists every one. ``tests/test_lightning_internals.py`` exercises each function here, checks that each inherited
+member still exists and that each override keeps Lightning's parameters, and CI runs it against the lowest and
+the highest Lightning release declared in ``pyproject.toml``. ``tests/test_imports.py`` checks that no other
+module imports a private Lightning name.
 """
 
 from __future__ import annotations
@@ -10,13 +14,25 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+# Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
+# outside its documented API; re-exported for data.py.
+from lightning.pytorch.overrides.distributed import (
+    UnrepeatedDistributedSampler as UnrepeatedDistributedSampler,
+)
+from lightning.pytorch.overrides.distributed import (
+    UnrepeatedDistributedSamplerWrapper as UnrepeatedDistributedSamplerWrapper,
+)
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from packaging.version import Version
@@ -29,10 +45,34 @@ if TYPE_CHECKING:
 #: Lightning releases CI tests against: lowest included, highest excluded.
 TESTED_LIGHTNING = (Version("2.5.0"), Version("2.7.0"))
 
+#: Protected members of Lightning's classes that the package's subclasses override, call or read as subclasses.
+INHERITED: dict[type[Any], tuple[str, ...]] = {
+    DDPStrategy: (
+        "_checkpoint_io",
+        "_configure_launcher",
+        "_ddp_comm_hook",
+        "_ddp_comm_state",
+        "_ddp_comm_wrapper",
+        "_ddp_kwargs",
+        "_get_process_group_backend",
+        "_launcher",
+        "_layer_sync",
+        "_process_group_backend",
+        "_register_ddp_hooks",
+        "_setup_model",
+    ),
+}
+
+#: The type of Lightning's ``StrategyRegistry`` (Lightning exports only the instance), for annotations.
+StrategyRegistryType = _StrategyRegistry
+
 _MARK = "__lightning_ddp_amp_hook__"
 
+#: ``(precision, plugins)`` as given to the Trainer -> ``(precision, plugins)`` as Lightning should see them.
+PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
 
-def install_trainer_hook() -> None:
+
+def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
     """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
     Why: Lightning has no public extension point for either of these.
@@ -42,10 +82,14 @@ def install_trainer_hook() -> None:
       (any other value, valid or not, reaches Lightning unchanged).
     * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
       "explicitly 1" look the same; the wrapper hands the raw ``devices`` and ``num_nodes`` to the strategy's
-      ``check_trainer_flags``, and the finished strategy and accelerator to the precision plugin's
-      ``check_trainer_setup``.
+      ``check_trainer_flags``, then calls its ``start_missing_ranks`` (envddp without a launcher starts its ranks
+      there), and hands the finished strategy and accelerator to the precision plugin's ``check_trainer_setup``.
 
-    Idempotent.
+    Idempotent. The package hands over its precision resolver, so that this module imports none of its own.
+
+    Args:
+        resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
+            (:func:`lightning_ddp_amp.precision.resolve_precision_flag`).
     """
     if getattr(_AcceleratorConnector.__init__, _MARK, False):
         return
@@ -61,12 +105,10 @@ def install_trainer_hook() -> None:
 
     @functools.wraps(original)
     def __init__(self: _AcceleratorConnector, *args: Any, **kwargs: Any) -> None:
-        from lightning_ddp_amp.precision import resolve_precision_flag
-
         arguments = signature.bind(self, *args, **kwargs)
         arguments.apply_defaults()
         given = arguments.arguments
-        given["precision"], given["plugins"] = resolve_precision_flag(given["precision"], given["plugins"])
+        given["precision"], given["plugins"] = resolve_precision(given["precision"], given["plugins"])
         original(*arguments.args, **arguments.kwargs)
         check_flags = getattr(self.strategy, "check_trainer_flags", None)
         if callable(check_flags):
@@ -75,6 +117,10 @@ def install_trainer_hook() -> None:
                 num_nodes=given["num_nodes"],
                 use_distributed_sampler=given["use_distributed_sampler"],
             )
+        # envddp without a launcher starts its ranks here, before the script goes on (EnvDDPStrategy explains why).
+        start_ranks = getattr(self.strategy, "start_missing_ranks", None)
+        if callable(start_ranks):
+            start_ranks()
         check_setup = getattr(self.precision_plugin, "check_trainer_setup", None)
         if callable(check_setup):
             check_setup(self.strategy, self.accelerator)
@@ -142,3 +188,44 @@ def rebuild_dataloader(
             kwargs["batch_size"] = batch_size
     rebuilt: DataLoader[Any] = _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
     return rebuilt
+
+
+def epoch_progress(trainer: pl.Trainer) -> tuple[int, int]:
+    """How many training batches of the current epoch have finished their step, and how many the epoch has.
+
+    Why: Lightning counts them only in its fit loop's progress tracking, which it does not document.
+    """
+    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # typed as its base, which lacks the count
+    return int(current.processed), int(trainer.num_training_batches)
+
+
+def after_closure(plugin: Precision, model: pl.LightningModule, optimizer: Optimizer) -> None:
+    """Run what Lightning runs between a step's closure and ``optimizer.step()``.
+
+    That is the ``on_before_optimizer_step`` hooks and gradient clipping. Why: a precision plugin that runs the
+    closure itself (to unscale between backward and step) must run them too, as Lightning's ``MixedPrecision``
+    does through this protected method.
+    """
+    plugin._after_closure(model, optimizer)
+
+
+def make_stateful(
+    loader: DataLoader[Any],
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
+) -> None:
+    """Have Lightning save ``state_dict()`` in checkpoints and hand it to ``load_state_dict`` on resume.
+
+    Why: Lightning saves a DataLoader's position only when the loader itself has these two methods (its private
+    ``_Stateful`` protocol); the loader must stay the user's own class, so they go on this one instance.
+    """
+    loader.state_dict = state_dict
+    loader.load_state_dict = load_state_dict
+
+
+def is_loader_state_mismatch(exception: BaseException) -> bool:
+    """Whether ``exception`` is Lightning's refusal of a checkpoint that holds more DataLoader states than the run.
+
+    Why: Lightning raises a plain ``RuntimeError`` for it, told apart from others only by its text.
+    """
+    return isinstance(exception, RuntimeError) and "stateful loaders, but found" in str(exception)

@@ -8,13 +8,20 @@ strategy registries. A strategy must derive from the ``DDPStrategy`` of the Trai
 with the rewrite Lightning applies to produce its standalone packages: ``lightning.pytorch`` becomes
 ``pytorch_lightning`` and ``lightning.fabric`` becomes ``lightning_fabric``. Only the modules that import Lightning
 (directly or through another such module) get a second copy; the others (errors, the launcher environment,
-devices, the apex loader, the process group, self-launch) are shared, so one ``except LauncherEnvironmentError``
-catches both. Every rewrite keeps the line count, so tracebacks point at the real source lines.
+devices, the apex loader, the process group, self-launch, the SIGTERM watcher) are shared, so one
+``except LauncherEnvironmentError`` catches both, and process-wide state (``preemption.PREEMPTION``: a signal has one
+handler) exists once. Every rewrite keeps the line count, so tracebacks point at the real source lines.
 
 ``import lightning_ddp_amp`` registers the ``pytorch_lightning`` flavour too: at once when ``pytorch_lightning`` is
 already imported, otherwise right after it is (a one-shot import hook), so users of ``lightning`` alone never pay
 for importing it (about 0.15 s and some memory). A failure there is a warning: it never breaks
 ``import pytorch_lightning``.
+
+Type checkers and IDEs do not run import hooks, so the flavour also exists as type stubs, ``pytorch_lightning/*.pyi``
+beside these files: each is :func:`stub` of a copied module, that is, the same rewrite with the function bodies left
+out, so every signature and base class is the real one, in ``pytorch_lightning``'s class hierarchy. They are
+generated, never edited: :func:`write_stubs` regenerates them, and ``tests/test_namespaces.py`` fails when they differ
+from what it would write.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ PACKAGE = "lightning_ddp_amp"
 #: Where the ``pytorch_lightning`` flavour lives.
 NAMESPACE = f"{PACKAGE}.pytorch_lightning"
 _ROOT = Path(__file__).parent
+#: The flavour's type stubs: read by type checkers only, the import hook below serves the modules.
+STUBS = _ROOT / "pytorch_lightning"
 # Modules never copied: the entry points and this module.
 _NEVER = {"__init__", "__main__", "_namespaces"}
 # The public classes of the copied modules, as named in messages and docs (`lightning_ddp_amp.AmpPrecision`).
@@ -77,8 +86,83 @@ def rewrite(source: str) -> str:
     source = re.sub(r"^(\s*)import lightning$", r"\1import pytorch_lightning as lightning", source, flags=re.M)
     copied = "|".join(sorted(namespaced_modules()) + list(_PUBLIC_CLASSES))
     source = re.sub(rf"\b{PACKAGE}\.({copied})\b", rf"{NAMESPACE}.\1", source)
-    source = re.sub(rf"^(\s*)from {PACKAGE} import ({copied})\b", rf"\1from {NAMESPACE} import \2", source, flags=re.M)
+    source = re.sub(rf"^([ \t]*)from {PACKAGE} import ([\w ,]+?)([ \t]*(?:#.*)?)$", _from_package, source, flags=re.M)
     return re.sub(rf"^(\s*)import {PACKAGE}(?=\s|$)", rf"\1import {NAMESPACE}", source, flags=re.M)
+
+
+def _from_package(match: re.Match[str]) -> str:
+    """``from lightning_ddp_amp import ...``: the copied names from the flavour, the shared ones from here."""
+    indent, names, comment = match.groups()
+    listed = [name.strip() for name in names.split(",")]
+    copied = [name for name in listed if name.split()[0] in namespaced_modules() | set(_PUBLIC_CLASSES)]
+    shared = [name for name in listed if name not in copied]
+    statements = [f"from {NAMESPACE} import {', '.join(copied)}"] if copied else []
+    statements += [f"from {PACKAGE} import {', '.join(shared)}"] if shared else []
+    return indent + "; ".join(statements) + comment  # one line still: tracebacks keep their line numbers
+
+
+def stub(source: str) -> str:
+    """The type stub of ``source`` in the ``pytorch_lightning`` flavour: its rewrite, with only the declarations.
+
+    Function bodies become ``...`` (their docstrings stay, for IDEs) and the module-level statements that only act
+    at import (registration, checks) go. The rest is the rewritten text itself, ``# type: ignore`` comments included.
+    """
+    text = rewrite(source)
+    lines = text.splitlines(keepends=True)
+    tree = ast.parse(text)
+    cuts = [(node.lineno, node.end_lineno or node.lineno, "") for node in tree.body if not _declares(node)]
+    for function in _functions(tree.body):
+        body = function.body[1:] if ast.get_docstring(function, clean=False) is not None else function.body
+        if body:
+            cuts.append((body[0].lineno, body[-1].end_lineno or body[-1].lineno, " " * body[0].col_offset + "...\n"))
+    for first, last, replacement in sorted(cuts, reverse=True):
+        lines[first - 1 : last] = [replacement] if replacement else []
+    return re.sub(r"\n{4,}", "\n\n\n", "".join(lines)).rstrip("\n") + "\n"
+
+
+def _declares(node: ast.stmt) -> bool:
+    """Whether ``node``, a module-level statement, belongs in a stub."""
+    if isinstance(node, ast.If):
+        return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)  # a docstring
+    # A module constant, not a patch of another module's attribute.
+    if isinstance(node, ast.Assign):
+        return all(isinstance(target, ast.Name) for target in node.targets)
+    if isinstance(node, ast.AnnAssign):
+        return isinstance(node.target, ast.Name)
+    return isinstance(node, (ast.Import, ast.ImportFrom, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+
+
+def _functions(statements: list[ast.stmt]) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The functions and methods defined by ``statements``, in classes too, but not inside other functions."""
+    found: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.append(node)
+        elif isinstance(node, ast.ClassDef):
+            found += _functions(node.body)
+    return found
+
+
+def stubs() -> dict[Path, str]:
+    """The flavour's type stubs as :func:`write_stubs` writes them, by path."""
+    return {
+        STUBS / f"{module}.pyi": f"# Generated from ../{module}.py by {__name__}.write_stubs(); never edit.\n"
+        + stub((_ROOT / f"{module}.py").read_text())
+        for module in sorted(namespaced_modules() | {"__init__"})
+    }
+
+
+def write_stubs() -> None:
+    """Regenerate the flavour's type stubs from this package's sources, after any change to a copied module."""
+    STUBS.mkdir(exist_ok=True)
+    wanted = stubs()
+    for path in STUBS.glob("*.pyi"):
+        if path not in wanted:
+            path.unlink()  # the module is no longer copied (or no longer exists)
+    for path, text in wanted.items():
+        path.write_text(text)
 
 
 class _Flavour(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -1,102 +1,36 @@
-"""NVIDIA apex amp as a backend of :class:`~lightning_ddp_amp.AmpPrecision`.
-
-``apex.amp`` exists only in NVIDIA apex releases up to 25.05 (it was removed in May 2025), built from source with
-its CUDA extensions. The package called ``apex`` on PyPI is an unrelated web toolkit. This module finds apex, says
-precisely why it cannot be used when it cannot, and makes the calls the recipe made::
+"""NVIDIA apex amp as a backend of :class:`~lightning_ddp_amp.AmpPrecision`: the calls the recipe made::
 
     models, optimizer = amp.initialize(models, optimizer, opt_level="O1")   # before DDP
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         scaled_loss.backward()
     optimizer.step()
+
+Finding and importing apex is :mod:`lightning_ddp_amp.apex_loader`'s part.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.metadata
-import importlib.util
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any
 
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from lightning_ddp_amp.amp_backend import AmpBackend, AmpSettings, ModuleSelector, cast_floats
+from lightning_ddp_amp.apex_loader import find_amp, load_apex_module
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 
 # The amp modules initialized so far in this process: apex documents one amp.initialize per process.
 _INITIALIZED: weakref.WeakSet[ModuleType] = weakref.WeakSet()
 _OVERRIDDEN_STEP_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
-
-NATIVE_ALTERNATIVES = 'use the native backend instead: precision="amp-O1" (same O-levels) or precision="16-mixed"'
-_INSTALL = (
-    "build NVIDIA apex 25.05 or older from source with its CUDA extensions (pip install -v --no-build-isolation"
-    ' --config-settings "--build-option=--cpp_ext" --config-settings "--build-option=--cuda_ext"'
-    " git+https://github.com/NVIDIA/apex.git@25.05), or " + NATIVE_ALTERNATIVES
-)
-
-
-def find_amp() -> ModuleType | None:
-    """``apex.amp`` if it can be imported, else None. Never raises."""
-    try:
-        return load_apex_module("apex.amp", "backend", "apex")
-    except ApexUnavailableError:
-        return None
-
-
-def load_apex_module(name: str, field: str, value: Any) -> ModuleType:
-    """Import ``apex.amp`` or ``apex.parallel``, or explain why it cannot be imported.
-
-    Args:
-        name: ``"apex.amp"`` or ``"apex.parallel"``.
-        field: The setting that asked for apex, for the message (``"backend"``, ``"precision"``, ``"ddp_impl"``).
-        value: Its value.
-
-    Raises:
-        ApexUnavailableError: apex is not installed, lacks the module, or the module fails to import.
-    """
-    if importlib.util.find_spec("apex") is None:
-        raise ApexUnavailableError(
-            field,
-            value,
-            f"NVIDIA apex is not installed. {name} exists only in NVIDIA apex releases up to 25.05 (it was"
-            " removed from apex in May 2025), built from source; it is not on PyPI",
-            _INSTALL,
-        )
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name not in (name, "apex"):
-            _broken(name, field, value, error)
-        raise ApexUnavailableError(
-            field,
-            value,
-            f"the installed apex ({_apex_version()}) has no {name}: NVIDIA removed it after release 25.05, and"
-            " the 'apex' package on PyPI is an unrelated web toolkit",
-            _INSTALL,
-        ) from None
-    except Exception as error:  # apex imports its compiled extensions: any failure there lands here
-        _broken(name, field, value, error)
-
-
-def _broken(name: str, field: str, value: Any, error: Exception) -> NoReturn:
-    raise ApexUnavailableError(
-        field,
-        value,
-        f"{name} fails to import ({error}); apex's compiled extensions were probably built for another torch or CUDA",
-        "rebuild apex from source against the installed torch, or " + NATIVE_ALTERNATIVES,
-    ) from error
-
-
-def _apex_version() -> str:
-    try:
-        return "apex " + importlib.metadata.version("apex")
-    except importlib.metadata.PackageNotFoundError:
-        return "apex, version unknown"
 
 
 def supports_device(amp: ModuleType, device_type: str) -> bool:
@@ -121,8 +55,10 @@ def _explain_set_to_none(apex_zero_grad: Callable[[], None]) -> Callable[..., No
     return zero_grad
 
 
-class ApexAmp:
+class ApexAmp(AmpBackend):
     """The apex calls :class:`~lightning_ddp_amp.AmpPrecision` makes.
+
+    Forward keeps the default context, none: ``amp.initialize`` patched torch (O1) or the models' forward (O2/O3).
 
     Args:
         amp: The ``apex.amp`` module.
@@ -137,6 +73,48 @@ class ApexAmp:
         self._pending_loss_scalers: list[dict[str, float]] | None = None
         self._pending_master_weights: list[Tensor] | None = None
         self._optimizers: list[Optimizer] = []
+        self._cast_batch = False
+
+    @classmethod
+    @override
+    def unavailable(cls, settings: AmpSettings) -> str | None:
+        # apex computes in float16 only, so bfloat16 always runs natively.
+        if settings.dtype != torch.float16:
+            return "apex amp has no bfloat16"
+        return "NVIDIA apex amp is not importable" if find_amp() is None else None
+
+    @classmethod
+    @override
+    def check_settings(cls, settings: AmpSettings, requested: str) -> None:
+        load_apex_module("apex.amp", "backend", requested)
+        if settings.dtype != torch.float16:
+            raise PrecisionConfigurationError(
+                "dtype", "bfloat16", "apex amp computes in float16 only", 'use backend="native" for bfloat16'
+            )
+
+    @classmethod
+    @override
+    def lightning_precision(cls, settings: AmpSettings) -> str:
+        return {"O0": "32-true", "O3": "16-true"}.get(settings.opt_level, "16-mixed")
+
+    @classmethod
+    @override
+    def describe(cls, settings: AmpSettings) -> str:
+        return f"apex amp {settings.opt_level}"
+
+    @classmethod
+    @override
+    def from_settings(cls, settings: AmpSettings, device_type: str) -> ApexAmp:
+        options = {
+            "keep_batchnorm_fp32": settings.keep_batchnorm_fp32,
+            "loss_scale": settings.loss_scale,
+            "num_losses": settings.num_losses,
+            "min_loss_scale": settings.min_loss_scale,
+            "max_loss_scale": settings.max_loss_scale,
+            "cast_model_outputs": settings.cast_model_outputs,
+        }
+        amp = load_apex_module("apex.amp", "backend", "apex")
+        return cls(amp, settings.opt_level, {name: value for name, value in options.items() if value is not None})
 
     @property
     def initialized(self) -> bool:
@@ -174,6 +152,85 @@ class ApexAmp:
         if self._pending_master_weights is not None:
             self.load_master_weights(self._pending_master_weights)
 
+    @classmethod
+    @override
+    def master_weights(cls, settings: AmpSettings) -> bool:
+        return settings.opt_level == "O2"
+
+    @classmethod
+    @override
+    def model_dtype(cls, settings: AmpSettings) -> torch.dtype | None:
+        return torch.float16 if settings.opt_level in ("O2", "O3") else None
+
+    @property
+    def keeps_master_weights(self) -> bool:
+        """Whether apex steps fp32 master copies of fp16 weights (O2)."""
+        return self.opt_level == "O2"
+
+    @property
+    @override
+    def scales_loss(self) -> bool:
+        return True
+
+    @property
+    @override
+    def may_skip_steps(self) -> bool:
+        loss_scale = self.options.get("loss_scale")
+        return loss_scale == "dynamic" or (loss_scale is None and self.opt_level in ("O1", "O2"))
+
+    @override
+    def check_trainer_setup(self, strategy: Strategy, device_type: str) -> None:
+        """Refuse a device apex cannot run on, and a strategy that wraps the model in DDP before ``connect``.
+
+        Raises:
+            ApexUnavailableError: An accelerator other than CUDA.
+            PrecisionConfigurationError: The strategy wraps the model in DDP before the precision plugin sees it.
+        """
+        if not supports_device(self.amp, device_type):
+            raise ApexUnavailableError(
+                "accelerator",
+                device_type,
+                "apex amp needs CUDA: its loss scaler and kernels run on the GPU",
+                'train on a GPU (accelerator="cuda"), or use the native backend (precision="amp-O1", which runs'
+                " on the CPU too)",
+            )
+        # Asked of the strategy, not of its class: a strategy says that it connects the precision plugin first.
+        if not (
+            isinstance(strategy, SingleDeviceStrategy) or getattr(strategy, "connects_precision_before_wrap", False)
+        ):
+            raise PrecisionConfigurationError(
+                "strategy",
+                getattr(strategy, "strategy_name", type(strategy).__name__),
+                "this strategy wraps the model in DistributedDataParallel before the precision plugin sees it, but"
+                " apex requires amp.initialize before the wrap",
+                'use strategy="envddp", which calls amp.initialize first, as the recipe did',
+            )
+
+    @override
+    def connect(self, model: Module, select: ModuleSelector, optimizers: list[Optimizer]) -> None:
+        """``amp.initialize`` on the selected modules and the raw optimizers.
+
+        Raises:
+            PrecisionConfigurationError: The model arrived already wrapped.
+        """
+        if not isinstance(model, LightningModule):
+            raise PrecisionConfigurationError(
+                "strategy",
+                type(model).__name__,
+                "the model reached the precision plugin already wrapped; amp.initialize must come before the DDP wrap",
+                'use strategy="envddp"',
+            )
+        selected = select(model)
+        self.initialize(selected, optimizers)
+        # apex O2/O3 patch the forward of the modules they cast; Lightning calls training_step, not the
+        # LightningModule's forward, so when the module itself is selected the batch is cast here instead.
+        self._cast_batch = selected == [model] and self.opt_level in ("O2", "O3")
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return cast_floats(data, torch.float16) if self._cast_batch else data
+
+    @override
     def backward(
         self,
         loss: Tensor,
@@ -183,21 +240,40 @@ class ApexAmp:
         delay_unscale: bool,
     ) -> None:
         """Run ``run_backward`` on the scaled loss inside ``amp.scale_loss``."""
-        with self.amp.scale_loss(loss, list(optimizers), loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
+        # A LightningOptimizer wraps the torch optimizer that went through amp.initialize.
+        initialized = [getattr(optimizer, "optimizer", optimizer) for optimizer in optimizers]
+        with self.amp.scale_loss(loss, initialized, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
             run_backward(scaled)
 
-    @staticmethod
-    def step_will_be_skipped(optimizer: Optimizer) -> bool:
-        """Whether apex found an overflow and replaced this optimizer's next ``step()`` with a skip.
+    @override
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> tuple[Any, bool]:
+        """``optimizer.step()``, which after an overflow apex has replaced with a skip for this one call.
 
-        apex keeps no public record of it; its own flag for the one-call skip is ``_amp_stash.already_patched``.
+        apex keeps no public record of the skip; its own flag for it is ``_amp_stash.already_patched``.
         """
-        return bool(getattr(getattr(optimizer, "_amp_stash", None), "already_patched", False))
+        skipped = bool(getattr(getattr(optimizer, "_amp_stash", None), "already_patched", False))
+        return optimizer.step(**kwargs), skipped
 
+    @override
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
         """``amp.master_params(optimizer)``: the fp32 parameters clipping must see."""
         params: Iterator[Tensor] = self.amp.master_params(optimizer)
         return params
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scalers, and under O2 the fp32 master weights."""
+        state: dict[str, Any] = {"loss_scalers": self.loss_scalers()}
+        if self.keeps_master_weights:
+            state["master_weights"] = self.master_weight_values()
+        return state
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the loss scale(s), and O2's fp32 master weights, after ``amp.initialize`` as apex requires."""
+        self.load_loss_scalers(state["loss_scalers"])
+        if "master_weights" in state:
+            self.load_master_weights(state["master_weights"])
 
     def loss_scalers(self) -> list[dict[str, float]]:
         """``amp.state_dict()`` as a list: ``loss_scale`` and ``unskipped`` of each loss's scaler."""
@@ -214,12 +290,7 @@ class ApexAmp:
         self.amp.load_state_dict({f"loss_scaler{index}": dict(state) for index, state in enumerate(scalers)})
         self._pending_loss_scalers = None
 
-    @property
-    def keeps_master_weights(self) -> bool:
-        """Whether apex steps fp32 master copies of fp16 weights (O2)."""
-        return self.opt_level == "O2"
-
-    def master_weights(self) -> list[Tensor]:
+    def master_weight_values(self) -> list[Tensor]:
         """The fp32 master weights of every optimizer, in order; empty where apex keeps none.
 
         apex's own checkpoints leave them out: a resume rebuilds them from the fp16 model weights, and so loses
@@ -252,9 +323,3 @@ class ApexAmp:
             )
         for master, value in zip(masters, saved, strict=True):
             master.data.copy_(value)
-
-    @contextlib.contextmanager
-    def forward_context(self) -> Iterator[None]:
-        """Nothing to enter: apex patched torch or the models in ``amp.initialize``."""
-        # O1 patches torch functions globally and O2/O3 patch the models' forward: nothing to enter here.
-        yield

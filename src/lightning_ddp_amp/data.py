@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -158,9 +157,9 @@ def _distributed_sampler(
 ) -> Sampler[Any]:
     if isinstance(source, (RandomSampler, SequentialSampler)):
         shuffle = isinstance(source, RandomSampler)
-        sampler_cls = UnrepeatedDistributedSampler if unrepeated else ResumableDistributedSampler
+        sampler_cls = _lightning.UnrepeatedDistributedSampler if unrepeated else ResumableDistributedSampler
         return sampler_cls(dataloader.dataset, shuffle=shuffle, **kwargs)
-    wrapper_cls = UnrepeatedDistributedSamplerWrapper if unrepeated else ResumableDistributedSamplerWrapper
+    wrapper_cls = _lightning.UnrepeatedDistributedSamplerWrapper if unrepeated else ResumableDistributedSamplerWrapper
     return wrapper_cls(source, shuffle=False, **kwargs)
 
 
@@ -196,19 +195,17 @@ def _make_resumable(loader: DataLoader[Any], sampler: Any, progress: Callable[[]
         sampler.set_epoch(epoch)
         sampler.resume_at(epoch, batches % max(len(loader), 1) * batch_size)
 
-    loader.state_dict = state_dict
-    loader.load_state_dict = load_state_dict
+    _lightning.make_stateful(loader, state_dict, load_state_dict)
 
 
 def explain_loader_state_mismatch(exception: BaseException) -> None:
     """Explain Lightning's error when a checkpoint holds a sharded loader's position that this run cannot use."""
-    text = str(exception)
-    if isinstance(exception, RuntimeError) and "stateful loaders, but found" in text and exception.args:
+    if _lightning.is_loader_state_mismatch(exception) and exception.args:
         exception.args = (
             "The checkpoint holds the position of a training DataLoader sharded across several processes, saved in"
             " the middle of an epoch; this run does not shard its DataLoaders the same way (another WORLD_SIZE, or"
             " Trainer(use_distributed_sampler=False)). Resume with the original launch, or from a checkpoint saved"
-            f" at the end of an epoch. Lightning said: {text}",
+            f" at the end of an epoch. Lightning said: {exception}",
             *exception.args[1:],
         )
 

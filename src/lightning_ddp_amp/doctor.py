@@ -29,8 +29,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from lightning_ddp_amp import _lightning, native_amp, process_group
-from lightning_ddp_amp.apex_amp import _INSTALL as APEX_INSTALL
-from lightning_ddp_amp.apex_amp import NATIVE_ALTERNATIVES
+from lightning_ddp_amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import (
     LAUNCHER_VARIABLES,

@@ -29,15 +29,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from lightning_ddp_amp.amp_backend import AmpBackend, AmpSettings, ModuleSelector, cast_floats
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 
 
@@ -120,7 +122,7 @@ def _grad_scaler(device_type: str, **options: Any) -> Any:
     return torch.cuda.amp.GradScaler(**options)
 
 
-class NativeAmp:
+class NativeAmp(AmpBackend):
     """The torch.amp calls :class:`~lightning_ddp_amp.AmpPrecision` makes.
 
     Args:
@@ -130,6 +132,7 @@ class NativeAmp:
         loss_scale: ``"dynamic"``, a fixed scale, or None for the level's default.
         min_loss_scale: Floor of the scale, or None.
         max_loss_scale: Ceiling of the scale.
+        cast_model_outputs: dtype for the selected modules' floating outputs, or None for the level's default.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class NativeAmp:
         loss_scale: float | str | None,
         min_loss_scale: float | None,
         max_loss_scale: float,
+        cast_model_outputs: torch.dtype | None = None,
     ) -> None:
         self.dtype = dtype
         self.device_type = device_type
@@ -150,6 +154,7 @@ class NativeAmp:
         self.scaler: torch.amp.GradScaler | None = None
         self._scale = 0.0  # the scale after the last step, to tell a skipped step from the next one
         self.cast_batch = False
+        self.cast_model_outputs = cast_model_outputs
         self._hooks: list[Any] = []
         if device_type == "cpu" and dtype == torch.float16 and opt_level != "O0" and cpu_fp16_missing():
             raise PrecisionConfigurationError(
@@ -167,16 +172,94 @@ class NativeAmp:
                 self.scaler = _grad_scaler(device_type, init_scale=float(loss_scale), growth_interval=_NEVER)
             self._scale = self.scaler.get_scale()
 
-    def prepare(self, root: Module, selected: list[Module], cast_model_outputs: torch.dtype | None) -> None:
+    @classmethod
+    @override
+    def unavailable(cls, settings: AmpSettings) -> str | None:
+        return None
+
+    @classmethod
+    @override
+    def check_settings(cls, settings: AmpSettings, requested: str) -> None:
+        level, bf16 = settings.opt_level, settings.dtype == torch.bfloat16
+        if settings.loss_scale is not None and (level == "O3" or bf16):
+            reason = "bfloat16 needs no loss scaling" if bf16 else "native O3 (pure half precision) has no loss scaler"
+            raise PrecisionConfigurationError(
+                "loss_scale", settings.loss_scale, f"{reason} on the native backend", "leave loss_scale unset"
+            )
+        if level == "O2" and settings.keep_batchnorm_fp32 is False:
+            raise PrecisionConfigurationError(
+                "keep_batchnorm_fp32",
+                False,
+                "native O2 (autocast) always runs batchnorm in fp32",
+                'leave it unset, or use opt_level="O3" for a model entirely in half precision',
+            )
+        if level == "O3" and settings.keep_batchnorm_fp32:
+            raise PrecisionConfigurationError(
+                "keep_batchnorm_fp32",
+                True,
+                "native O3 casts the whole model, batchnorm included",
+                'use opt_level="O2" (autocast keeps batchnorm in fp32), or backend="apex"',
+            )
+
+    @classmethod
+    @override
+    def lightning_precision(cls, settings: AmpSettings) -> str:
+        return lightning_precision(settings.opt_level, settings.dtype)
+
+    @classmethod
+    @override
+    def describe(cls, settings: AmpSettings) -> str:
+        return "torch.amp: " + describe(settings.opt_level, settings.dtype)
+
+    @classmethod
+    @override
+    def from_settings(cls, settings: AmpSettings, device_type: str) -> NativeAmp:
+        return cls(
+            settings.opt_level,
+            settings.dtype,
+            device_type,
+            settings.loss_scale,
+            settings.min_loss_scale,
+            settings.max_loss_scale,
+            settings.cast_model_outputs,
+        )
+
+    @classmethod
+    @override
+    def master_weights(cls, settings: AmpSettings) -> bool:
+        # The model's weights stay fp32 (they are the master weights), or under O3 the optimizer steps them cast.
+        return False
+
+    @classmethod
+    @override
+    def model_dtype(cls, settings: AmpSettings) -> torch.dtype | None:
+        return settings.dtype if settings.opt_level == "O3" else None
+
+    @property
+    @override
+    def scales_loss(self) -> bool:
+        return self.scaler is not None
+
+    @property
+    @override
+    def may_skip_steps(self) -> bool:
+        return self.scaler is not None
+
+    @override
+    def convert_module(self, module: Module, select: ModuleSelector) -> None:
+        """Cast the selected modules here, where apex would cast them in ``amp.initialize``."""
+        selected = select(module) if isinstance(module, LightningModule) else [module]
+        self.prepare(module, selected)
+
+    def prepare(self, root: Module, selected: list[Module]) -> None:
         """Cast the selected modules (O3) and their inputs and outputs, as ``amp.initialize`` patches them.
 
         Args:
             root: The LightningModule.
             selected: The modules handed to ``amp.initialize`` (``root`` itself by default).
-            cast_model_outputs: dtype for the selected modules' floating outputs, or None for the level's default.
         """
         self.release()
-        output_dtype = cast_model_outputs or (torch.float32 if self.cast_model else None)
+        output_dtype = self.cast_model_outputs or (torch.float32 if self.cast_model else None)
         for module in selected:
             if self.cast_model:
                 module.to(dtype=self.dtype)
@@ -189,6 +272,10 @@ class NativeAmp:
             if output_dtype is not None:
                 self._hooks.append(module.register_forward_hook(_cast_outputs(output_dtype)))
 
+    @override
+    def teardown(self) -> None:
+        self.release()
+
     def release(self) -> None:
         """Remove the hooks :meth:`prepare` registered."""
         for hook in self._hooks:
@@ -198,10 +285,12 @@ class NativeAmp:
     def _cast_inputs(self, module: Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
+    @override
     def convert_input(self, data: Any) -> Any:
         """The batch, cast to the half dtype when O3 selected the LightningModule itself."""
         return cast_floats(data, self.dtype) if self.cast_batch else data
 
+    @override
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """``torch.autocast`` for O1/O2; nothing for O0 and O3."""
@@ -211,15 +300,28 @@ class NativeAmp:
         with torch.autocast(self.device_type, dtype=self.dtype):
             yield
 
-    def backward(self, loss: Tensor, run_backward: Callable[[Tensor], None]) -> None:
-        """Run ``run_backward`` on the loss, scaled by the ``GradScaler`` when there is one."""
+    @override
+    def backward(
+        self,
+        loss: Tensor,
+        optimizers: Sequence[Optimizer],
+        run_backward: Callable[[Tensor], None],
+        loss_id: int,
+        delay_unscale: bool,
+    ) -> None:
+        """Run ``run_backward`` on the loss, scaled by the ``GradScaler`` when there is one.
+
+        One scaler serves every loss and optimizer, and ``GradScaler`` unscales only in :meth:`unscale`.
+        """
         run_backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
+    @override
     def unscale(self, optimizer: Optimizer) -> None:
         """Unscale the gradients before hooks and clipping see them."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
+    @override
     def step(self, optimizer: Optimizer, **kwargs: Any) -> tuple[Any, bool]:
         """Step through the scaler, which skips a step whose gradients overflowed.
 
@@ -261,22 +363,28 @@ class NativeAmp:
             return
         state = self.scaler.state_dict()
         state.update(scale=float(scalers[0]["loss_scale"]), _growth_tracker=int(scalers[0]["unskipped"]))
-        self.load_state_dict(state)
+        self._load_grad_scaler(state)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
-        """The ``GradScaler``'s state, for the checkpoint."""
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        """The loss scale in apex's terms, to move between backends, and the ``GradScaler``'s own state."""
+        return {
+            "loss_scalers": self.loss_scalers(),
+            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else {},
+        }
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the ``GradScaler``'s state from a checkpoint."""
+        """Restore the ``GradScaler``; from a checkpoint of the apex backend, its first loss scale."""
+        if state["backend"] == "native" and state.get("grad_scaler"):
+            self._load_grad_scaler(state["grad_scaler"])
+        else:
+            self.load_loss_scalers(state["loss_scalers"])
+
+    def _load_grad_scaler(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
             self._scale = self.scaler.get_scale()
-
-
-def cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    """``data`` with every floating-point tensor in it cast to ``dtype``."""
-    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _cast_outputs(dtype: torch.dtype) -> Callable[[Module, Any, Any], Any]:

@@ -24,21 +24,20 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_ddp_amp.apex_amp import ApexAmp, find_amp, load_apex_module, supports_device
+from lightning_ddp_amp import _lightning
+from lightning_ddp_amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
-from lightning_ddp_amp.native_amp import NativeAmp, cast_floats, describe, lightning_precision
-from lightning_ddp_amp.strategy import EnvDDPStrategy
+from lightning_ddp_amp.native_amp import NativeAmp
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
-BACKENDS = ("auto", "apex", "native")
+BACKENDS = ("auto", *backend_names())
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 #: The precision strings this package adds to ``Trainer(precision=...)``.
@@ -92,33 +91,24 @@ class AmpPrecision(Precision):
         self.min_loss_scale, self.max_loss_scale = _check_scale_bounds(min_loss_scale, max_loss_scale)
         self.cast_model_outputs = _to_dtype("cast_model_outputs", cast_model_outputs)
         self.dtype = DTYPES[dtype]
-        if keep_batchnorm_fp32 is not None and opt_level in ("O0", "O1"):
-            raise PrecisionConfigurationError(
-                "keep_batchnorm_fp32",
-                keep_batchnorm_fp32,
-                f"it only applies to opt_level O2 and O3 (opt_level={opt_level!r} keeps batchnorm in fp32 anyway)",
-                "leave keep_batchnorm_fp32 unset",
-            )
-        self.backend = self._resolve_backend(backend)
-        self._apex: ApexAmp | None = None
-        self._native: NativeAmp | None = None
+        _check_keep_batchnorm(keep_batchnorm_fp32, opt_level)
+        self._settings = AmpSettings(
+            opt_level,
+            self.dtype,
+            keep_batchnorm_fp32,
+            self.loss_scale,
+            self.num_losses,
+            self.min_loss_scale,
+            self.max_loss_scale,
+            self.cast_model_outputs,
+        )
+        self.backend, self._backend_class = choose_backend(backend, self._settings)
+        self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
+        self._built: AmpBackend | None = None
         self._device_type: str | None = None
-        if self.backend == "apex":
-            amp = load_apex_module("apex.amp", "backend", backend)
-            self._apex = ApexAmp(amp, opt_level, self._apex_options())
-            self.precision = {"O0": "32-true", "O3": "16-true"}.get(opt_level, "16-mixed")  # type: ignore[assignment]
-        else:
-            self._check_native()
-            self.precision = lightning_precision(opt_level, self.dtype)  # type: ignore[assignment]
-            if backend == "auto":
-                reason = "apex amp has no bfloat16" if dtype == "bfloat16" else "NVIDIA apex amp is not importable"
-                rank_zero_info(
-                    f"AmpPrecision: {reason}, so opt_level {opt_level} runs on torch.amp: {describe(opt_level, self.dtype)}"
-                )
         self._optimizers: list[Optimizer] = []
         self._skipped: dict[int, bool] = {}
         self._stepping = False
-        self._cast_batch_for_apex = False
 
     def __repr__(self) -> str:
         return f"AmpPrecision(backend={self.backend!r}, opt_level={self.opt_level!r})"
@@ -129,69 +119,37 @@ class AmpPrecision(Precision):
 
         apex's ``zero_grad`` then detaches each model gradient in place, which EnvDDPStrategy takes into account.
         """
-        return self._apex is not None and self._apex.keeps_master_weights
+        return self._backend_class.master_weights(self._settings)
 
     @property
     def model_dtype(self) -> torch.dtype | None:
         """The dtype the selected modules' weights, and so their gradients, are cast to; None when they stay fp32."""
-        if self._apex is not None:
-            return torch.float16 if self.opt_level in ("O2", "O3") else None
-        return self.dtype if self.opt_level == "O3" else None
+        return self._backend_class.model_dtype(self._settings)
 
-    def _resolve_backend(self, backend: str) -> str:
-        if backend != "auto":
-            return backend
-        # apex computes in float16 only, so bfloat16 always runs natively.
-        if self.dtype == torch.bfloat16 or find_amp() is None:
-            return "native"
-        return "apex"
-
-    def _apex_options(self) -> dict[str, Any]:
-        if self.dtype != torch.float16:
-            raise PrecisionConfigurationError(
-                "dtype", "bfloat16", "apex amp computes in float16 only", 'use backend="native" for bfloat16'
-            )
-        options = {
-            "keep_batchnorm_fp32": self.keep_batchnorm_fp32,
-            "loss_scale": self.loss_scale,
-            "num_losses": self.num_losses,
-            "min_loss_scale": self.min_loss_scale,
-            "max_loss_scale": self.max_loss_scale,
-            "cast_model_outputs": self.cast_model_outputs,
-        }
-        return {name: value for name, value in options.items() if value is not None}
-
-    def _check_native(self) -> None:
-        level, bf16 = self.opt_level, self.dtype == torch.bfloat16
-        if self.loss_scale is not None and (level == "O3" or bf16):
-            reason = "bfloat16 needs no loss scaling" if bf16 else "native O3 (pure half precision) has no loss scaler"
-            raise PrecisionConfigurationError(
-                "loss_scale", self.loss_scale, f"{reason} on the native backend", "leave loss_scale unset"
-            )
-        if level == "O2" and self.keep_batchnorm_fp32 is False:
-            raise PrecisionConfigurationError(
-                "keep_batchnorm_fp32",
-                False,
-                "native O2 (autocast) always runs batchnorm in fp32",
-                'leave it unset, or use opt_level="O3" for a model entirely in half precision',
-            )
-        if level == "O3" and self.keep_batchnorm_fp32:
-            raise PrecisionConfigurationError(
-                "keep_batchnorm_fp32",
-                True,
-                "native O3 casts the whole model, batchnorm included",
-                'use opt_level="O2" (autocast keeps batchnorm in fp32), or backend="apex"',
-            )
+    @property
+    def _amp(self) -> AmpBackend:
+        # Built on first use, after check_trainer_setup has told the device; a plugin used alone guesses it.
+        if self._built is None:
+            device = self._device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+            self._built = self._backend_class.from_settings(self._settings, device)
+        return self._built
 
     @property
     def native(self) -> NativeAmp:
-        """The torch.amp backend, built once the device is known (when the Trainer is built)."""
-        if self._native is None:
-            device = self._device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._native = NativeAmp(
-                self.opt_level, self.dtype, device, self.loss_scale, self.min_loss_scale, self.max_loss_scale
+        """The torch.amp backend, built once the device is known (when the Trainer is built).
+
+        Raises:
+            PrecisionConfigurationError: The plugin runs on another backend.
+        """
+        amp = self._amp
+        if not isinstance(amp, NativeAmp):
+            raise PrecisionConfigurationError(
+                "backend",
+                self.backend,
+                "AmpPrecision.native is the torch.amp backend, and this plugin runs on another one",
+                'read AmpPrecision.native only with backend="native"',
             )
-        return self._native
+        return amp
 
     def check_trainer_setup(self, strategy: Strategy, accelerator: Accelerator) -> None:
         """Check that the Trainer can run this plugin; called when the Trainer is built.
@@ -199,27 +157,10 @@ class AmpPrecision(Precision):
         Raises:
             ApexUnavailableError: apex amp on an accelerator other than CUDA.
             PrecisionConfigurationError: apex amp with a strategy that wraps the model in DDP before the
-                precision plugin sees it.
+                precision plugin sees it, or native float16 on a CPU whose torch lacks it.
         """
         self._device_type = _device_type(accelerator)
-        if self._apex is None:
-            return
-        if not supports_device(self._apex.amp, self._device_type):
-            raise ApexUnavailableError(
-                "accelerator",
-                self._device_type,
-                "apex amp needs CUDA: its loss scaler and kernels run on the GPU",
-                'train on a GPU (accelerator="cuda"), or use the native backend (precision="amp-O1", which runs'
-                " on the CPU too)",
-            )
-        if not isinstance(strategy, (EnvDDPStrategy, SingleDeviceStrategy)):
-            raise PrecisionConfigurationError(
-                "strategy",
-                getattr(strategy, "strategy_name", type(strategy).__name__),
-                "this strategy wraps the model in DistributedDataParallel before the precision plugin sees it, but"
-                " apex requires amp.initialize before the wrap",
-                'use strategy="envddp", which calls amp.initialize first, as the recipe did',
-            )
+        self._amp.check_trainer_setup(strategy, self._device_type)
 
     @override
     def connect(
@@ -228,22 +169,9 @@ class AmpPrecision(Precision):
         if not optimizers:
             # Evaluation only: apex is initialized for training; the model runs as the last fit left it.
             return model, optimizers, lr_schedulers
-        if self._apex is not None:
-            if not isinstance(model, LightningModule):
-                raise PrecisionConfigurationError(
-                    "strategy",
-                    type(model).__name__,
-                    "the model reached the precision plugin already wrapped; amp.initialize must come before the"
-                    " DDP wrap",
-                    'use strategy="envddp"',
-                )
-            selected = self.amp_modules(model)
-            self._apex.initialize(selected, optimizers)
-            # apex O2/O3 patch the forward of the modules they cast; Lightning calls training_step, not the
-            # LightningModule's forward, so when the module itself is selected the batch is cast here instead.
-            self._cast_batch_for_apex = selected == [model] and self.opt_level in ("O2", "O3")
+        self._amp.connect(model, self.amp_modules, optimizers)
         self._optimizers = list(optimizers)
-        if self._may_skip_steps:
+        if self._amp.may_skip_steps:
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
 
@@ -277,17 +205,6 @@ class AmpPrecision(Precision):
             )
         return modules
 
-    @property
-    def _scales_loss(self) -> bool:
-        return self._apex is not None or self.native.scaler is not None
-
-    @property
-    def _may_skip_steps(self) -> bool:
-        """Whether a dynamic loss scaler can skip a step on overflow."""
-        if self._apex is None:
-            return self.native.scaler is not None
-        return self.loss_scale == "dynamic" or (self.loss_scale is None and self.opt_level in ("O1", "O2"))
-
     def _skip_aware(self, config: LRSchedulerConfig) -> LRSchedulerConfig:
         if config.interval != "step" or not hasattr(config.scheduler, "optimizer"):
             return config
@@ -300,23 +217,17 @@ class AmpPrecision(Precision):
 
     @override
     def convert_module(self, module: Module) -> Module:
-        # apex casts in amp.initialize; natively the selected modules are cast here, as apex would cast them.
-        if self._apex is None:
-            selected = self.amp_modules(module) if isinstance(module, LightningModule) else [module]
-            self.native.prepare(module, selected, self.cast_model_outputs)
+        self._amp.convert_module(module, self.amp_modules)
         return module
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if self._apex is None:
-            return self.native.convert_input(data)
-        return cast_floats(data, torch.float16) if self._cast_batch_for_apex else data
+        return self._amp.convert_input(data)
 
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        context = self._apex.forward_context() if self._apex is not None else self.native.forward_context()
-        with context:
+        with self._amp.forward_context():
             yield
 
     @override
@@ -326,17 +237,30 @@ class AmpPrecision(Precision):
         model: LightningModule,
         optimizer: Any,
         *args: Any,
+        loss_id: int = 0,
+        optimizers: Optimizer | Sequence[Optimizer] | None = None,
+        delay_unscale: bool | None = None,
         **kwargs: Any,
     ) -> None:
         """Backward on the scaled loss: inside ``amp.scale_loss`` for apex, through the ``GradScaler`` natively.
 
-        Under manual optimization, ``manual_backward(loss, loss_id=1)`` picks the loss scaler of a second loss
-        (``num_losses=2``), ``optimizers=[opt_g]`` names the optimizers whose parameters this loss reaches (default:
-        all), and ``delay_unscale=True`` keeps apex from unscaling (gradient accumulation).
+        Under manual optimization ``manual_backward(loss, loss_id=1, ...)`` passes the keyword arguments here.
+
+        Args:
+            tensor: The loss.
+            model: The LightningModule.
+            optimizer: The optimizer being stepped; None under manual optimization.
+            *args: Passed on to ``LightningModule.backward``.
+            loss_id: Which loss scaler scales this loss (``num_losses=2`` gives a second loss its own).
+            optimizers: The optimizers whose parameters this loss reaches, for apex. Default: ``optimizer``, or
+                under manual optimization all of them.
+            delay_unscale: True keeps apex from unscaling (gradient accumulation). Default: unscale only in
+                the backward of the micro-batch that steps.
+            **kwargs: Passed on to ``LightningModule.backward``.
+
+        Raises:
+            PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers.
         """
-        loss_id = kwargs.pop("loss_id", 0)
-        delay_unscale = kwargs.pop("delay_unscale", None)
-        chosen = kwargs.pop("optimizers", None)
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
             raise PrecisionConfigurationError(
                 "loss_id",
@@ -344,24 +268,19 @@ class AmpPrecision(Precision):
                 f"AmpPrecision has num_losses={self.num_losses} loss scaler(s), numbered from 0",
                 "use a smaller loss_id, or raise AmpPrecision(num_losses=...)",
             )
-
-        def run_backward(scaled: Tensor) -> None:
-            model.backward(scaled, *args, **kwargs)
-
-        if self._apex is None:
-            self.native.backward(tensor, run_backward)
-            return
-        if chosen is not None:
-            optimizers = [chosen] if not isinstance(chosen, (list, tuple)) else list(chosen)
+        if optimizers is None:
+            chosen = [optimizer] if optimizer is not None else self._optimizers
         else:
-            optimizers = [optimizer] if optimizer is not None else self._optimizers
-        # A LightningOptimizer wraps the torch optimizer that went through amp.initialize.
-        optimizers = [getattr(o, "optimizer", o) for o in optimizers]
+            chosen = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         if delay_unscale is None:
             # Automatic optimization runs the final micro-batch's backward inside optimizer_step; earlier
             # micro-batches of an accumulation window keep their gradients scaled, as apex recommends.
             delay_unscale = model.automatic_optimization and not self._stepping
-        self._apex.backward(tensor, optimizers, run_backward, loss_id, bool(delay_unscale))
+
+        def run_backward(scaled: Tensor) -> None:
+            model.backward(scaled, *args, **kwargs)
+
+        self._amp.backward(tensor, chosen, run_backward, loss_id, bool(delay_unscale))
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -375,7 +294,7 @@ class AmpPrecision(Precision):
 
         Without loss scaling (O0, O3, bfloat16) the closure goes to ``step()`` as usual, so LBFGS works there.
         """
-        if not self._scales_loss:
+        if not self._amp.scales_loss:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise PrecisionConfigurationError(
@@ -391,38 +310,20 @@ class AmpPrecision(Precision):
             self._stepping = False
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: there was no backward, so there is nothing to unscale or step.
-            self._after_closure(model, optimizer)
+            _lightning.after_closure(self, model, optimizer)
             return None
-        if self._apex is None:
-            self.native.unscale(optimizer)
-        self._after_closure(model, optimizer)
-        if self._apex is not None:
-            # After an overflow apex has replaced step() with a skip for this one call.
-            self._skipped[id(optimizer)] = self._apex.step_will_be_skipped(optimizer)
-            return optimizer.step(**kwargs)
-        result, skipped = self.native.step(optimizer, **kwargs)
-        self._skipped[id(optimizer)] = skipped
+        self._amp.unscale(optimizer)
+        _lightning.after_closure(self, model, optimizer)
+        result, self._skipped[id(optimizer)] = self._amp.step(optimizer, **kwargs)
         return result
 
     @override
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:  # type: ignore[override]
-        if self._apex is not None:
-            return self._apex.main_params(optimizer)
-        return super().main_params(optimizer)
+        return self._amp.main_params(optimizer)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        backend = self._apex if self._apex is not None else self.native
-        state: dict[str, Any] = {
-            "backend": self.backend,
-            "opt_level": self.opt_level,
-            "loss_scalers": backend.loss_scalers(),
-        }
-        if self._apex is None:
-            state["grad_scaler"] = self.native.state_dict()
-        elif self.master_weights:
-            state["master_weights"] = self._apex.master_weights()
-        return state
+        return {"backend": self.backend, "opt_level": self.opt_level, **self._amp.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -438,19 +339,12 @@ class AmpPrecision(Precision):
                 "its AmpPrecision state lacks 'backend' and 'loss_scalers': it was not written by AmpPrecision",
                 "resume from a checkpoint written with AmpPrecision, or start without ckpt_path",
             )
-        if self._apex is not None:
-            self._apex.load_loss_scalers(state_dict["loss_scalers"])
-            if "master_weights" in state_dict:
-                self._apex.load_master_weights(state_dict["master_weights"])
-        elif state_dict["backend"] == "native" and state_dict.get("grad_scaler"):
-            self.native.load_state_dict(state_dict["grad_scaler"])
-        else:
-            self.native.load_loss_scalers(state_dict["loss_scalers"])
+        self._amp.load_state_dict(state_dict)
 
     @override
     def teardown(self) -> None:
-        if self._native is not None:
-            self._native.release()
+        if self._built is not None:
+            self._built.teardown()
 
 
 class SkipAwareScheduler:
@@ -543,6 +437,16 @@ def _check_choice(field: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise PrecisionConfigurationError(
             field, value, f"it must be one of {', '.join(repr(c) for c in choices)}", "use one of those values"
+        )
+
+
+def _check_keep_batchnorm(keep_batchnorm_fp32: bool | None, opt_level: str) -> None:
+    if keep_batchnorm_fp32 is not None and opt_level in ("O0", "O1"):
+        raise PrecisionConfigurationError(
+            "keep_batchnorm_fp32",
+            keep_batchnorm_fp32,
+            f"it only applies to opt_level O2 and O3 (opt_level={opt_level!r} keeps batchnorm in fp32 anyway)",
+            "leave keep_batchnorm_fp32 unset",
         )
 
 

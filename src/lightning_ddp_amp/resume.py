@@ -7,6 +7,9 @@
 * while the training loop runs, SIGTERM to any rank (a scheduler's preemption, torchrun shutting down) only raises
   a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
   status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
+
+:class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
+(:data:`lightning_ddp_amp.preemption.PREEMPTION`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,9 @@ import contextlib
 import inspect
 import os
 import re
-import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,9 +30,13 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
+from lightning_ddp_amp.preemption import PREEMPTED_EXIT_CODE, PREEMPTION
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,8 +44,6 @@ if TYPE_CHECKING:
 #: Keys every checkpoint written by Lightning's Trainer has.
 _LIGHTNING_KEYS = ("state_dict", "loops", "global_step")
 _STEP_IN_NAME = re.compile(r"step=(\d+)")
-#: The exit status of a run stopped by SIGTERM.
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 
 def checkpoint_dirs(trainer: pl.Trainer) -> list[Path]:
@@ -168,76 +171,73 @@ def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs
     return bound.arguments.get("ckpt_path") is not None
 
 
-class Preemption:
-    """Owns SIGTERM while the training loop runs.
+class AutoResume:
+    """Auto-resume and preemption for one strategy: each of its hooks makes one call here.
 
-    With ``graceful`` (``auto_resume=True``) SIGTERM only raises a flag, and every rank learns at an accumulation
-    boundary whether any rank was signalled: the question goes out as a non-blocking all-reduce at one boundary
-    and its answer is read at the next, so the check costs the training loop no waiting. Without ``graceful``,
-    SIGTERM ends the process at once (its peers then stop with a "peer is gone" error), and nothing is checked.
-    Outside the training loop SIGTERM keeps whatever handler it had.
-
-    There is one per process (:data:`PREEMPTION`): a signal has one handler, whichever strategy is training.
+    Args:
+        enabled: ``auto_resume``. Without it nothing is resumed, and SIGTERM during training ends the process at
+            once (see :class:`~lightning_ddp_amp.preemption.Preemption`).
     """
 
-    def __init__(self) -> None:
-        self.requested = False
-        self.saved = False
-        self._previous: Any = None
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        #: The checkpoint the current fit resumed from; None for a fresh start or a ``ckpt_path`` given by the user.
+        self.resumed_from: Path | None = None
         self._group: Any = None
-        self._question: tuple[torch.Tensor, Any] | None = None
 
-    def start(self, graceful: bool, group: Any = None) -> None:
-        """Take SIGTERM over (only the main thread can), until :meth:`stop`.
+    def launcher(self) -> AutoResumeLauncher | None:
+        """The launcher that points each fit at the newest checkpoint; None without auto-resume."""
+        return AutoResumeLauncher(self._resuming_from) if self.enabled else None
 
-        Args:
-            graceful: Raise a flag to agree on (True), or end the process at once (False).
-            group: The gloo process group the ranks agree on, apart from the training's collectives.
+    def _resuming_from(self, checkpoint: Path) -> None:
+        self.resumed_from = checkpoint
+        rank_zero_info(f"envddp: auto_resume continues from {checkpoint}")
+
+    def setup_distributed(self) -> None:
+        """Once the process group exists: the group that preemption checks and checkpoint agreement run on."""
+        if self.enabled:
+            # CPU tensors on a group of their own, off the GPU stream and apart from the training's collectives,
+            # so that a check can run while training goes on.
+            self._group = dist.new_group(backend="gloo")
+
+    def on_train_start(self, trainer: pl.Trainer) -> None:
+        """Check that every rank resumed from the same file, and take SIGTERM over for the training loop.
+
+        Raises:
+            CheckpointError: The ranks resumed from different checkpoints.
         """
-        self.requested = self.saved = False
-        self._group = group
-        self._question = None
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm if graceful else signal.SIG_DFL)
+        if dist.is_initialized() and self.resumed_from is not None:
+            self._check_same_checkpoint()
+        # Lightning's own per-step SIGTERM broadcast waits for every rank at every step; SIGTERM is handled here.
+        _lightning.disable_sigterm_broadcast(trainer)
+        PREEMPTION.start(graceful=self.enabled, group=self._group)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """At accumulation boundaries, after a SIGTERM on any rank: all ranks save together and stop.
+
+        Raises:
+            SIGTERMException: The ranks agreed to stop; the checkpoint is saved.
+        """
+        if not self.enabled:
+            return
+        if batch_idx % trainer.accumulate_grad_batches == 0 and PREEMPTION.agreed():
+            path = checkpoint_dirs(trainer)[0] / f"preempted-step={trainer.global_step}.ckpt"
+            trainer.save_checkpoint(path)  # rank 0 writes; every rank takes part
+            rank_zero_info(f"envddp: SIGTERM received; saved {path}, the next start resumes from it")
+            raise SIGTERMException(PREEMPTED_EXIT_CODE)
 
     def stop(self) -> None:
-        """Collect the last question, and give SIGTERM back to the handler it had before :meth:`start`."""
-        if self._question is not None:
-            self._question[1].wait()
-            self._question = None
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-        self._previous = None
+        """Give SIGTERM back to its previous handler (training ended, or the Trainer tears down)."""
+        PREEMPTION.stop()
 
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag: a signal handler must not start collectives, which could interleave with training's.
-        self.requested = True
-
-    def agreed(self) -> bool:
-        """Whether every rank knows that some rank was asked to stop (as of the previous boundary).
-
-        Every rank must call this at the same boundaries. Without peers the answer is immediate.
-        """
-        if not dist.is_initialized() or self._group is None:
-            return self.requested
-        agreed = False
-        if self._question is not None:
-            flag, work = self._question
-            work.wait()
-            agreed = bool(flag.item())
-        flag = torch.tensor([int(self.requested)])
-        self._question = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
-        if agreed:
-            self._question[1].wait()  # every rank stops here: leave no question open
-            self._question = None
-        return agreed
-
-    def save(self, trainer: pl.Trainer) -> Path:
-        """Save ``preempted-step=<N>.ckpt`` in the first checkpoint directory (rank 0 writes; all ranks call)."""
-        path = checkpoint_dirs(trainer)[0] / f"preempted-step={trainer.global_step}.ckpt"
-        trainer.save_checkpoint(path)
-        self.saved = True
-        return path
-
-
-#: The process's one SIGTERM watcher.
-PREEMPTION = Preemption()
+    def _check_same_checkpoint(self) -> None:
+        chosen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(chosen, str(self.resumed_from), group=self._group)
+        if len(set(chosen)) > 1:
+            raise CheckpointError(
+                "ckpt_path",
+                str(self.resumed_from),
+                f"the ranks resumed from different checkpoints ({', '.join(sorted(set(chosen)))}): their checkpoint"
+                " directories differ",
+                "put the ModelCheckpoint dirpath on storage every node sees, or resume with an explicit ckpt_path",
+            )

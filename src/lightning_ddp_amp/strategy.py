@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import difflib
-import inspect
 import itertools
 import os
 import pickle
@@ -30,18 +28,15 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -49,40 +44,24 @@ from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp import selflaunch
-from lightning_ddp_amp.apex_amp import load_apex_module
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.data import explain_loader_state_mismatch, shard_dataloader, warn_unshuffled_training_shards
+from lightning_ddp_amp.ddp_options import DDPOptions
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
-from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.process_group import (
     destroy_process_group,
     explain_peer_failure,
     init_process_group,
     torch_gaps,
 )
-from lightning_ddp_amp.resume import (
-    PREEMPTED_EXIT_CODE,
-    PREEMPTION,
-    AtomicCheckpointIO,
-    AutoResumeLauncher,
-    check_checkpoint,
-    unreadable_checkpoint,
-)
+from lightning_ddp_amp.resume import AtomicCheckpointIO, AutoResume, check_checkpoint, unreadable_checkpoint
 
 #: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
 COMM_HOOKS: dict[str, Callable[..., Any]] = {
     "fp16": default_hooks.fp16_compress_hook,
     "bf16": default_hooks.bf16_compress_hook,
-}
-
-# torch.nn.parallel.DistributedDataParallel's own defaults: only values that differ are passed on.
-_DDP_DEFAULTS: dict[str, Any] = {
-    "find_unused_parameters": False,
-    "static_graph": False,
-    "gradient_as_bucket_view": False,
-    "bucket_cap_mb": None,
-    "broadcast_buffers": True,
 }
 
 
@@ -111,13 +90,12 @@ class EnvDDPStrategy(DDPStrategy):
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on CUDA, gloo on CPU.
         timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
             A ``timedelta`` or seconds.
-        find_unused_parameters: Passed to ``DistributedDataParallel``.
+        find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
+            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp_options.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
-        gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default (None): True with torch's DDP,
-            unlike torch's own default: gradients live in DDP's communication buckets instead of being copied
-            into them, which is faster and uses less memory with the same numerics (``benchmarks/``). Code that
-            calls ``detach_()`` on ``param.grad`` needs False, so under a precision plugin with fp32 master
-            weights (apex O2, whose ``zero_grad`` does that) the default is False, and True is an error.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
+            a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
+            place): there False, and True is an error.
         bucket_cap_mb: Passed to ``DistributedDataParallel``.
         broadcast_buffers: Passed to ``DistributedDataParallel``.
         ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
@@ -144,6 +122,8 @@ class EnvDDPStrategy(DDPStrategy):
     """
 
     strategy_name = "envddp"
+    #: The precision plugin connects (apex: ``amp.initialize``) before the DDP wrap; AmpPrecision asks for this.
+    connects_precision_before_wrap = True
     _topology: Topology  # set with the cluster environment
 
     def __init__(
@@ -156,11 +136,11 @@ class EnvDDPStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
+        find_unused_parameters: bool | None = None,
+        static_graph: bool | None = None,
         gradient_as_bucket_view: bool | None = None,
         bucket_cap_mb: float | None = None,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         ddp_comm_hook: Literal["fp16", "bf16"] | Callable[..., Any] | None = None,
         ddp_comm_state: object | None = None,
         ddp_comm_wrapper: Callable[..., Any] | None = None,
@@ -181,20 +161,14 @@ class EnvDDPStrategy(DDPStrategy):
                 "max_restarts", max_restarts, "it must be a whole number of restarts, 0 or more", "pass e.g. 3"
             )
         self.max_restarts = max_restarts
-        requested = {
+        named = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "bucket_cap_mb": bucket_cap_mb,
             "broadcast_buffers": broadcast_buffers,
         }
-        # None means "not set": gradient_as_bucket_view's default waits for the precision plugin (ddp_options).
-        changed: dict[str, Any] = {
-            name: value for name, value in requested.items() if value is not None and value != _DDP_DEFAULTS[name]
-        }
-        self._apex_ddp = _apex_ddp_class(ddp_impl, [*changed, *(["ddp_comm_hook"] if ddp_comm_hook else [])])
-        self._gradient_as_bucket_view = gradient_as_bucket_view
-        _check_ddp_kwargs(self._apex_ddp or DistributedDataParallel, ddp_kwargs)
+        self._ddp = DDPOptions(ddp_impl, named, ddp_kwargs, ddp_comm_state, comm_hook=bool(ddp_comm_hook))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -206,19 +180,13 @@ class EnvDDPStrategy(DDPStrategy):
             ddp_comm_wrapper=ddp_comm_wrapper,
             process_group_backend=process_group_backend,
             timeout=_resolve_timeout(timeout),
-            **changed,
         )
         self.timeout = _resolve_timeout(timeout)
-        # Added after the fact, not forwarded through DDPStrategy.__init__: config parsers (jsonargparse) would
-        # otherwise offer every DDPStrategy and DDP argument as this strategy's own.
-        self._ddp_kwargs.update(ddp_kwargs)
         self.split_batches = split_batches
         self.exact_eval = exact_eval
         self._shard_dataloaders: bool | None = None
-        self.auto_resume = auto_resume
-        self._preemption = PREEMPTION
-        self._cpu_group: Any = None
-        self.resumed_from: Path | None = None
+        self._requested: list[torch.device] | None = None
+        self._resume = AutoResume(auto_resume)
         if accelerator is not None:
             # Built with its accelerator, the strategy may run without a Trainer, so it reads the launcher now; a
             # Trainer's ClusterEnvironment plugin then meets Lightning's "set through both strategy and plugins".
@@ -270,13 +238,18 @@ class EnvDDPStrategy(DDPStrategy):
     @property
     def ddp_options(self) -> dict[str, Any]:
         """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        default for ``gradient_as_bucket_view`` decided against the precision plugin."""
-        options = dict(self._ddp_kwargs)
-        if self._apex_ddp is None and self._gradient_as_bucket_view is None:
-            options["gradient_as_bucket_view"] = not _master_weights(self.precision_plugin)
-        if options.get("gradient_as_bucket_view") is False:
-            del options["gradient_as_bucket_view"]
-        return options
+        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        return self._ddp.to_kwargs(_master_weights(self.precision_plugin))
+
+    @property
+    def auto_resume(self) -> bool:
+        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
+        return self._resume.enabled
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
+        return self._resume.resumed_from
 
     @property
     @override
@@ -324,7 +297,7 @@ class EnvDDPStrategy(DDPStrategy):
 
         ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
         On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``; so does
-        ``EnvDDPStrategy(parallel_devices=...)``.
+        ``EnvDDPStrategy(parallel_devices=...)``. It starts nothing; :meth:`start_missing_ranks` does.
 
         Raises:
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
@@ -364,32 +337,19 @@ class EnvDDPStrategy(DDPStrategy):
                     "name the devices once: drop devices from the Trainer, or parallel_devices from the strategy",
                 )
             requested, field, value = self._given_devices, "parallel_devices", self._given_devices
-        if topology.launcher == "none":
-            self._launch_or_train_alone(requested)
-        else:
-            _log_once(
-                f"envddp: launched externally by {topology.launcher}: {topology.world_size} rank(s) on"
-                f" {topology.num_nodes} node(s)"
+        self._requested = requested
+        if topology.launcher != "none" and requested is not None and len(requested) != topology.local_world_size:
+            raise TopologyMismatchError(
+                field,
+                value,
+                f"the launcher started {topology.local_world_size} process(es) on this node"
+                f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
+                f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
+                f"{topology.local_world_size}"
+                if field == "devices"
+                else "drop parallel_devices from the strategy (envddp picks one device per local rank) or list"
+                f" {topology.local_world_size}, one per local rank",
             )
-            if self.max_restarts:
-                _log_once(
-                    f"EnvDDPStrategy(max_restarts={self.max_restarts}) only applies when envddp starts the ranks"
-                    f" itself; {topology.launcher} started them, so pass the restarts to it (`torchrun"
-                    " --max-restarts=N`).",
-                    warn=True,
-                )
-            if requested is not None and len(requested) != topology.local_world_size:
-                raise TopologyMismatchError(
-                    field,
-                    value,
-                    f"the launcher started {topology.local_world_size} process(es) on this node"
-                    f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
-                    f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
-                    f"{topology.local_world_size}"
-                    if field == "devices"
-                    else "drop parallel_devices from the strategy (envddp picks one device per local rank) or list"
-                    f" {topology.local_world_size}, one per local rank",
-                )
         if requested is not None and isinstance(self.accelerator, CUDAAccelerator):
             self._requested_cuda_indices = [device.index for device in requested]
             self._devices = None
@@ -402,7 +362,7 @@ class EnvDDPStrategy(DDPStrategy):
                 compression hook on a model whose gradients are already half precision.
         """
         plugin = self.precision_plugin
-        if self._gradient_as_bucket_view and self._apex_ddp is None and _master_weights(plugin):
+        if self._ddp.given.get("gradient_as_bucket_view") and self._ddp.apex_class is None and _master_weights(plugin):
             raise StrategyConfigurationError(
                 "gradient_as_bucket_view",
                 True,
@@ -435,12 +395,35 @@ class EnvDDPStrategy(DDPStrategy):
         parallel_devices: list[torch.device] = accelerator.get_parallel_devices(accelerator.parse_devices(devices))
         return parallel_devices
 
-    def _launch_or_train_alone(self, requested: list[torch.device] | None) -> None:
+    def start_missing_ranks(self) -> None:
         """No launcher started this process: start one rank per device through torchrun, or train alone.
 
-        ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in Lightning).
+        The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`. The ranks
+        start here rather than in a Lightning launcher when ``fit`` begins: this process becomes torchrun's agent,
+        which supervises and restarts the ranks and never trains (a Lightning launcher runs ``fit`` in the calling
+        process), and the script up to this point runs once more in the agent, so the earlier the better.
+        ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in Lightning). Under a
+        launcher it only logs who started the ranks.
+
+        Raises:
+            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
         """
+        topology = self.topology
+        if topology.launcher != "none":
+            _log_once(
+                f"envddp: launched externally by {topology.launcher}: {topology.world_size} rank(s) on"
+                f" {topology.num_nodes} node(s)"
+            )
+            if self.max_restarts:
+                _log_once(
+                    f"EnvDDPStrategy(max_restarts={self.max_restarts}) only applies when envddp starts the ranks"
+                    f" itself; {topology.launcher} started them, so pass the restarts to it (`torchrun"
+                    " --max-restarts=N`).",
+                    warn=True,
+                )
+            return
         on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+        requested = self._requested
         count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
         if count > 1:
             arguments = selflaunch.plan(count, self.max_restarts)
@@ -462,13 +445,10 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # The processes already exist: torchrun (or the user) started them. auto_resume only picks a checkpoint.
-        # AutoResumeLauncher has the interface of Lightning's (private) _Launcher without deriving from it.
-        self._launcher = AutoResumeLauncher(self._resuming_from) if self.auto_resume else None  # type: ignore[assignment]
-
-    def _resuming_from(self, checkpoint: Path) -> None:
-        self.resumed_from = checkpoint
-        rank_zero_info(f"envddp: auto_resume continues from {checkpoint}")
+        # The processes already exist: a launcher started them, or start_missing_ranks did when the Trainer was
+        # built. What is left to a launcher is auto_resume's choice of checkpoint. AutoResumeLauncher has the
+        # interface of Lightning's (private) _Launcher without deriving from it.
+        self._launcher = self._resume.launcher()  # type: ignore[assignment]
 
     @property
     @override
@@ -492,10 +472,7 @@ class EnvDDPStrategy(DDPStrategy):
         self._check_comm_hook(self._process_group_backend)
         init_process_group(self._topology, self._process_group_backend, self.timeout, self.root_device)
         atexit.register(destroy_process_group)
-        if self.auto_resume:
-            # Preemption checks and checkpoint agreement: CPU tensors on a group of their own, off the GPU stream
-            # and apart from the training's collectives, so that a check can run while training goes on.
-            self._cpu_group = dist.new_group(backend="gloo")
+        self._resume.setup_distributed()
         rank_zero_info(
             f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
             f" backend {self._process_group_backend}, launched by {self._topology.launcher}"
@@ -530,24 +507,22 @@ class EnvDDPStrategy(DDPStrategy):
         if fitting:
             # 6. DDP wraps last, around whatever the precision plugin returned.
             self.configure_ddp()
-            if isinstance(self._ddp_comm_state, post_localSGD.PostLocalSGDState):
-                self._enable_model_averaging()
         else:
             # No DDP wrapper outside fit: start every rank from rank 0's weights, as DDP's constructor would.
             _broadcast_module_states(self.model)
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        if self._apex_ddp is not None:
+        if self._ddp.apex_class is not None:
             # apex's wrapper is not a torch DDP; Lightning treats self.model as a plain Module everywhere it matters.
-            wrapped: Any = self._apex_ddp(model, **self._ddp_kwargs)
+            wrapped: Any = self._ddp.apex_class(model, **self._ddp_kwargs)
             return wrapped  # type: ignore[no-any-return]
         return super()._setup_model(model)
 
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._apex_ddp is None or not isinstance(self.model, self._apex_ddp):
+        if self._ddp.apex_class is None or not isinstance(self.model, self._ddp.apex_class):
             with super().block_backward_sync():
                 yield
             return
@@ -562,44 +537,20 @@ class EnvDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self._topology.is_distributed and self.resumed_from is not None:
-            self._check_same_checkpoint()
         assert self.lightning_module is not None
+        self._resume.on_train_start(self.lightning_module.trainer)
         # The recipe's DistributedSampler shuffled; a training DataLoader left at shuffle=False does not.
         warn_unshuffled_training_shards(self.lightning_module.trainer.train_dataloader)
-        # Lightning's own per-step SIGTERM broadcast waits for every rank at every step; this strategy handles
-        # SIGTERM itself (see lightning_ddp_amp.resume.Preemption).
-        _lightning.disable_sigterm_broadcast(self.lightning_module.trainer)
-        self._preemption.start(graceful=self.auto_resume, group=self._cpu_group)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # A SIGTERM on any rank: at accumulation boundaries all ranks agree, save and stop together.
-        if not self.auto_resume:
-            return
         assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        if batch_idx % trainer.accumulate_grad_batches == 0 and self._preemption.agreed():
-            path = self._preemption.save(trainer)
-            rank_zero_info(f"envddp: SIGTERM received; saved {path}, the next start resumes from it")
-            raise SIGTERMException(PREEMPTED_EXIT_CODE)
+        self._resume.on_train_batch_start(self.lightning_module.trainer, batch_idx)
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._preemption.stop()
-
-    def _check_same_checkpoint(self) -> None:
-        chosen: list[Any] = [None] * self._topology.world_size
-        dist.all_gather_object(chosen, str(self.resumed_from), group=self._cpu_group)
-        if len(set(chosen)) > 1:
-            raise CheckpointError(
-                "ckpt_path",
-                str(self.resumed_from),
-                f"the ranks resumed from different checkpoints ({', '.join(sorted(set(chosen)))}): their checkpoint"
-                " directories differ",
-                "put the ModelCheckpoint dirpath on storage every node sees, or resume with an explicit ckpt_path",
-            )
+        self._resume.stop()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -618,20 +569,18 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._apex_ddp is not None and isinstance(self.model, self._apex_ddp):
+        if self._ddp.apex_class is not None and isinstance(self.model, self._ddp.apex_class):
             self.model = self.lightning_module
-        self._preemption.stop()
+        self._resume.stop()
         super().teardown()
 
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
         self._ddp_kwargs = self.ddp_options
-        if self._apex_ddp is None and self._gradient_as_bucket_view is None and _master_weights(self.precision_plugin):
-            _log_once(
-                f"envddp: gradient_as_bucket_view stays off under {self.precision_plugin}: apex's zero_grad detaches"
-                " each model gradient in place, which DDP's bucket views do not allow"
-            )
+        if _master_weights(self.precision_plugin):
+            for name, reason in self._ddp.kept_for_master_weights().items():
+                _log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
         self.model = self._setup_model(self.model)
         self._register_ddp_hooks()
 
@@ -661,7 +610,7 @@ class EnvDDPStrategy(DDPStrategy):
             shard=bool(self._shard_dataloaders),
             split_batches=self.split_batches,
             exact_eval=self.exact_eval,
-            progress=lambda: _epoch_progress(trainer),
+            progress=lambda: _lightning.epoch_progress(trainer),
         )
 
     @override
@@ -705,7 +654,7 @@ class EnvDDPStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistryType) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="DDP with the topology read from the launcher's environment"
         )
@@ -736,30 +685,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _epoch_progress(trainer: Any) -> tuple[int, int]:
-    # Lightning's count of this epoch's training batches whose step is done, and of the epoch's batches.
-    processed: int = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    return processed, int(trainer.num_training_batches)
-
-
-def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | None:
-    if ddp_impl == "torch":
-        return None
-    if ddp_impl != "apex":
-        raise StrategyConfigurationError(
-            "ddp_impl", ddp_impl, "it must be 'torch' or 'apex'", "use one of those values"
-        )
-    if torch_options:
-        raise StrategyConfigurationError(
-            "ddp_impl",
-            "apex",
-            f"{', '.join(torch_options)} belong to torch's DistributedDataParallel, which apex's does not have",
-            "drop them, or pass apex's own options (message_size=..., delay_allreduce=...) as keyword arguments",
-        )
-    ddp: type[Module] = load_apex_module("apex.parallel", "ddp_impl", "apex").DistributedDataParallel
-    return ddp
-
-
 _LOGGED: set[str] = set()
 
 
@@ -768,22 +693,6 @@ def _log_once(message: str, warn: bool = False) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         (rank_zero_warn if warn else rank_zero_info)(message)
-
-
-def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> None:
-    # Checked here: in a single process DDP is never built, so a typo would only surface under the launcher.
-    accepted = set(inspect.signature(ddp_class.__init__).parameters) - {"self", "module"}
-    for name in ddp_kwargs:
-        if name in ("device_ids", "output_device"):
-            raise StrategyConfigurationError(
-                name, ddp_kwargs[name], "the strategy sets it from LOCAL_RANK", f"drop {name}"
-            )
-        if name not in accepted:
-            close = difflib.get_close_matches(name, accepted, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(accepted))}"
-            raise StrategyConfigurationError(
-                name, ddp_kwargs[name], f"{ddp_class.__qualname__} has no such argument", hint
-            )
 
 
 def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:

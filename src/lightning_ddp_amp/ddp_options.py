@@ -1,0 +1,163 @@
+"""The options of the DistributedDataParallel wrapper, declared once.
+
+torch's defaults are read from ``DistributedDataParallel``'s signature, and only the options that differ from them
+are passed on, as Accelerate's ``DistributedDataParallelKwargs.to_kwargs()`` does. Where envddp's default differs
+from torch's on purpose, :data:`DEVIATIONS` holds it with the reason. ``ddp_impl="apex"`` swaps in
+``apex.parallel.DistributedDataParallel``, which has none of torch's options. This module imports nothing from
+Lightning.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddp_amp.apex_loader import load_apex_module
+from lightning_ddp_amp.errors import StrategyConfigurationError
+
+#: torch's ``DistributedDataParallel`` defaults, as its signature declares them.
+TORCH_DEFAULTS: dict[str, Any] = {
+    name: parameter.default
+    for name, parameter in inspect.signature(DistributedDataParallel).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+}
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """envddp's own default for one of torch's DDP options.
+
+    Attributes:
+        value: envddp's default.
+        reason: Why it differs from torch's.
+        not_with_master_weights: Why torch's default stays under a precision plugin with fp32 master weights (apex
+            O2); None when the deviation holds there too.
+    """
+
+    value: Any
+    reason: str
+    not_with_master_weights: str | None = None
+
+
+#: Where envddp's defaults differ from torch's, and why. An option the user sets always wins.
+DEVIATIONS: dict[str, Deviation] = {
+    "gradient_as_bucket_view": Deviation(
+        value=True,
+        reason="gradients live in DDP's communication buckets instead of being copied into them: faster, less"
+        " memory, the same numerics (benchmarks/)",
+        not_with_master_weights="apex's zero_grad detaches each model gradient in place, which DDP's bucket views"
+        " do not allow",
+    ),
+}
+
+
+class DDPOptions:
+    """The DDP wrapper envddp builds, and the options the user gave it.
+
+    Args:
+        impl: ``"torch"`` or ``"apex"`` (``EnvDDPStrategy(ddp_impl=...)``).
+        named: The DDP options ``EnvDDPStrategy`` takes by name; None means not given.
+        extra: Any other argument of the wrapper (``**ddp_kwargs``), passed through untouched.
+        comm_state: ``EnvDDPStrategy(ddp_comm_state=...)``.
+        comm_hook: Whether a communication hook was given (apex's wrapper takes none).
+
+    Raises:
+        StrategyConfigurationError: An unknown ``impl``, a torch option or hook with apex's wrapper, an argument the
+            wrapper does not take, one the strategy sets itself, or post-localSGD model averaging.
+    """
+
+    def __init__(
+        self, impl: str, named: dict[str, Any], extra: dict[str, Any], comm_state: object, comm_hook: bool
+    ) -> None:
+        _refuse_model_averaging(extra, comm_state)
+        self.given = {name: value for name, value in named.items() if value is not None}
+        #: ``apex.parallel.DistributedDataParallel`` for ``impl="apex"``; None for torch's. Any torch option given
+        #: is refused there, even at torch's default: that default differs between torch releases.
+        self.apex_class = _apex_ddp_class(impl, [*self.given, *(["ddp_comm_hook"] if comm_hook else [])])
+        _check_ddp_kwargs(self.apex_class or DistributedDataParallel, extra)
+        self.extra = extra
+
+    def to_kwargs(self, master_weights: bool) -> dict[str, Any]:
+        """What the wrapper receives: the options that differ from torch's defaults, envddp's deviations included.
+
+        Args:
+            master_weights: Whether the precision plugin keeps fp32 master weights (apex O2).
+        """
+        if self.apex_class is not None:
+            return dict(self.extra)
+        options = {**self.deviations(master_weights), **self.given}
+        changed = {name: value for name, value in options.items() if value != TORCH_DEFAULTS[name]}
+        return {**changed, **self.extra}
+
+    def deviations(self, master_weights: bool) -> dict[str, Any]:
+        """envddp's defaults that apply under this precision plugin, for options the user left unset."""
+        return {
+            name: deviation.value
+            for name, deviation in DEVIATIONS.items()
+            if name not in self.given and not (master_weights and deviation.not_with_master_weights)
+        }
+
+    def kept_for_master_weights(self) -> dict[str, str]:
+        """The options left at torch's default under fp32 master weights, with the reason (for the log)."""
+        return {
+            name: deviation.not_with_master_weights
+            for name, deviation in DEVIATIONS.items()
+            if self.apex_class is None and name not in self.given and deviation.not_with_master_weights
+        }
+
+
+def _refuse_model_averaging(extra: dict[str, Any], comm_state: object) -> None:
+    # Post-localSGD needs Lightning's periodic model averager, which envddp does not run; without it the replicas
+    # would drift apart silently after start_localSGD_iter.
+    if "model_averaging_period" in extra:
+        value: Any = extra["model_averaging_period"]
+    elif isinstance(comm_state, post_localSGD.PostLocalSGDState):
+        value = None
+    else:
+        return
+    raise StrategyConfigurationError(
+        "model_averaging_period",
+        value,
+        "envddp does not run post-localSGD model averaging (a PostLocalSGDState ddp_comm_state needs it)",
+        "drop model_averaging_period and the PostLocalSGDState, or use Trainer(strategy='ddp') for post-localSGD",
+    )
+
+
+def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | None:
+    if ddp_impl == "torch":
+        return None
+    if ddp_impl != "apex":
+        raise StrategyConfigurationError(
+            "ddp_impl", ddp_impl, "it must be 'torch' or 'apex'", "use one of those values"
+        )
+    if torch_options:
+        raise StrategyConfigurationError(
+            "ddp_impl",
+            "apex",
+            f"{', '.join(torch_options)} belong to torch's DistributedDataParallel, which apex's does not have",
+            "drop them, or pass apex's own options (message_size=..., delay_allreduce=...) as keyword arguments",
+        )
+    ddp: type[Module] = load_apex_module("apex.parallel", "ddp_impl", "apex").DistributedDataParallel
+    return ddp
+
+
+def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> None:
+    # Checked here: in a single process DDP is never built, so a typo would only surface under the launcher.
+    accepted = set(inspect.signature(ddp_class.__init__).parameters) - {"self", "module"}
+    for name in ddp_kwargs:
+        if name in ("device_ids", "output_device"):
+            raise StrategyConfigurationError(
+                name, ddp_kwargs[name], "the strategy sets it from LOCAL_RANK", f"drop {name}"
+            )
+        if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(accepted))}"
+            raise StrategyConfigurationError(
+                name, ddp_kwargs[name], f"{ddp_class.__qualname__} has no such argument", hint
+            )

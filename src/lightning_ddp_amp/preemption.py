@@ -1,0 +1,82 @@
+"""The process's one SIGTERM watcher, shared by every strategy and by both Lightning flavours.
+
+A signal has one handler per process, so its state lives here once (:data:`PREEMPTION`). This module imports
+nothing from Lightning: ``lightning_ddp_amp.pytorch_lightning`` shares it instead of copying it.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: The exit status of a run stopped by SIGTERM.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preemption:
+    """Owns SIGTERM while the training loop runs.
+
+    With ``graceful`` (``auto_resume=True``) SIGTERM only raises a flag, and every rank learns at an accumulation
+    boundary whether any rank was signalled: the question goes out as a non-blocking all-reduce at one boundary
+    and its answer is read at the next, so the check costs the training loop no waiting. Without ``graceful``,
+    SIGTERM ends the process at once (its peers then stop with a "peer is gone" error), and nothing is checked.
+    Outside the training loop SIGTERM keeps whatever handler it had.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._group: Any = None
+        self._question: tuple[torch.Tensor, Any] | None = None
+
+    def start(self, graceful: bool, group: Any = None) -> None:
+        """Take SIGTERM over (only the main thread can), until :meth:`stop`.
+
+        Args:
+            graceful: Raise a flag to agree on (True), or end the process at once (False).
+            group: The gloo process group the ranks agree on, apart from the training's collectives.
+        """
+        self.requested = False
+        self._group = group
+        self._question = None
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm if graceful else signal.SIG_DFL)
+
+    def stop(self) -> None:
+        """Collect the last question, and give SIGTERM back to the handler it had before :meth:`start`."""
+        if self._question is not None:
+            self._question[1].wait()
+            self._question = None
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        self._previous = None
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: a signal handler must not start collectives, which could interleave with training's.
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether every rank knows that some rank was asked to stop (as of the previous boundary).
+
+        Every rank must call this at the same boundaries. Without peers the answer is immediate.
+        """
+        if not dist.is_initialized() or self._group is None:
+            return self.requested
+        agreed = False
+        if self._question is not None:
+            flag, work = self._question
+            work.wait()
+            agreed = bool(flag.item())
+        flag = torch.tensor([int(self.requested)])
+        self._question = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
+        if agreed:
+            self._question[1].wait()  # every rank stops here: leave no question open
+            self._question = None
+        return agreed
+
+
+#: The process's one SIGTERM watcher: a signal has one handler, whichever strategy is training.
+PREEMPTION = Preemption()

@@ -1,0 +1,184 @@
+# Generated from ../_lightning.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""The one place where lightning_ddp_amp touches Lightning's private API.
+
+Each function and name here says why it is needed. The package's subclasses of Lightning's classes also use
+the protected members they inherit, as any subclass does (``EnvDDPStrategy`` overrides ``_configure_launcher``,
+``_setup_model`` and ``_register_ddp_hooks``, and reads ``_ddp_kwargs``, ``_launcher``, ...); :data:`INHERITED`
+lists every one. ``tests/test_lightning_internals.py`` exercises each function here, checks that each inherited
+member still exists and that each override keeps Lightning's parameters, and CI runs it against the lowest and
+the highest Lightning release declared in ``pyproject.toml``. ``tests/test_imports.py`` checks that no other
+module imports a private Lightning name.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as lightning
+import torch
+from lightning_fabric.strategies.registry import _StrategyRegistry
+from lightning_fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+
+# Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
+# outside its documented API; re-exported for data.py.
+from pytorch_lightning.overrides.distributed import (
+    UnrepeatedDistributedSampler as UnrepeatedDistributedSampler,
+)
+from pytorch_lightning.overrides.distributed import (
+    UnrepeatedDistributedSamplerWrapper as UnrepeatedDistributedSamplerWrapper,
+)
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwargs
+from packaging.version import Version
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Sampler
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+#: Lightning releases CI tests against: lowest included, highest excluded.
+TESTED_LIGHTNING = (Version("2.5.0"), Version("2.7.0"))
+
+#: Protected members of Lightning's classes that the package's subclasses override, call or read as subclasses.
+INHERITED: dict[type[Any], tuple[str, ...]] = {
+    DDPStrategy: (
+        "_checkpoint_io",
+        "_configure_launcher",
+        "_ddp_comm_hook",
+        "_ddp_comm_state",
+        "_ddp_comm_wrapper",
+        "_ddp_kwargs",
+        "_get_process_group_backend",
+        "_launcher",
+        "_layer_sync",
+        "_process_group_backend",
+        "_register_ddp_hooks",
+        "_setup_model",
+    ),
+}
+
+#: The type of Lightning's ``StrategyRegistry`` (Lightning exports only the instance), for annotations.
+StrategyRegistryType = _StrategyRegistry
+
+_MARK = "__lightning_ddp_amp_hook__"
+
+#: ``(precision, plugins)`` as given to the Trainer -> ``(precision, plugins)`` as Lightning should see them.
+PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
+
+
+def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
+    """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
+
+    Why: Lightning has no public extension point for either of these.
+
+    * ``Trainer(precision="apex-O1")`` / ``"amp-O1"``: Lightning validates precision strings against a fixed list,
+      so the wrapper turns ours into an :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` plugin before Lightning sees them
+      (any other value, valid or not, reaches Lightning unchanged).
+    * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
+      "explicitly 1" look the same; the wrapper hands the raw ``devices`` and ``num_nodes`` to the strategy's
+      ``check_trainer_flags``, then calls its ``start_missing_ranks`` (envddp without a launcher starts its ranks
+      there), and hands the finished strategy and accelerator to the precision plugin's ``check_trainer_setup``.
+
+    Idempotent. The package hands over its precision resolver, so that this module imports none of its own.
+
+    Args:
+        resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
+            (:func:`lightning_ddp_amp.pytorch_lightning.precision.resolve_precision_flag`).
+    """
+    ...
+
+
+def sampler_injection(trainer: pl.Trainer) -> bool:
+    """Whether Lightning injects distributed samplers (``Trainer(use_distributed_sampler=...)``).
+
+    Why: the Trainer keeps this flag only on its private accelerator connector.
+    """
+    ...
+
+
+def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
+    """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
+
+    Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
+    itself (:mod:`lightning_ddp_amp.pytorch_lightning.data`) and leaves only prediction to Lightning.
+    """
+    ...
+
+
+def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> None:
+    """Move any state the optimizers already hold to ``device``, as Lightning's own DDP strategy does in setup.
+
+    Why: Lightning's helper also handles the optimizer-state layouts of its other strategies.
+    """
+    ...
+
+
+def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Stop the training loop from broadcasting rank 0's SIGTERM flag at every step (Lightning ≥ 2.5.2).
+
+    Why: that broadcast makes every rank wait for the others at every step, which costs as much as a tenth of a
+    small model's step, and EnvDDPStrategy handles SIGTERM itself. The loop's method is shadowed on this one loop.
+    """
+    ...
+
+
+def rebuild_dataloader(
+    dataloader: DataLoader[Any], sampler: Sampler[Any] | Iterable[Any], *, batch_size: int | None = None
+) -> DataLoader[Any]:
+    """A copy of ``dataloader`` (of the same class, with the same arguments) that reads from ``sampler``.
+
+    Why: only Lightning knows how to re-create an arbitrary DataLoader subclass, or a custom batch sampler, with
+    the arguments the user passed; it records them when it calls the ``*_dataloader`` hooks.
+
+    Args:
+        dataloader: The user's DataLoader.
+        sampler: The sampler to read from; it is put inside a custom batch sampler when there is one.
+        batch_size: A new batch size, or None to keep the user's.
+    """
+    ...
+
+
+def epoch_progress(trainer: pl.Trainer) -> tuple[int, int]:
+    """How many training batches of the current epoch have finished their step, and how many the epoch has.
+
+    Why: Lightning counts them only in its fit loop's progress tracking, which it does not document.
+    """
+    ...
+
+
+def after_closure(plugin: Precision, model: pl.LightningModule, optimizer: Optimizer) -> None:
+    """Run what Lightning runs between a step's closure and ``optimizer.step()``.
+
+    That is the ``on_before_optimizer_step`` hooks and gradient clipping. Why: a precision plugin that runs the
+    closure itself (to unscale between backward and step) must run them too, as Lightning's ``MixedPrecision``
+    does through this protected method.
+    """
+    ...
+
+
+def make_stateful(
+    loader: DataLoader[Any],
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
+) -> None:
+    """Have Lightning save ``state_dict()`` in checkpoints and hand it to ``load_state_dict`` on resume.
+
+    Why: Lightning saves a DataLoader's position only when the loader itself has these two methods (its private
+    ``_Stateful`` protocol); the loader must stay the user's own class, so they go on this one instance.
+    """
+    ...
+
+
+def is_loader_state_mismatch(exception: BaseException) -> bool:
+    """Whether ``exception`` is Lightning's refusal of a checkpoint that holds more DataLoader states than the run.
+
+    Why: Lightning raises a plain ``RuntimeError`` for it, told apart from others only by its text.
+    """
+    ...

@@ -1,0 +1,158 @@
+# Generated from ../doctor.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""``lightning-ddp-amp env``: what this process would train with, and what stands in the way.
+
+The report covers the launcher and topology this rank reads, its devices, the versions of torch, Lightning, CUDA,
+cuDNN and NCCL, the process-group backends, and NVIDIA apex: whether it is installed at all, whether it is the
+impostor from PyPI, whether ``apex.amp`` is still there, and whether its compiled extensions load with this torch.
+Each problem comes with its fix in one line.
+
+It starts no process group and writes nothing, so it is safe on any rank of a running job and on a machine without
+a GPU. apex's compiled extensions are loaded in a child process: one built for another torch can crash the
+interpreter that imports it (the segmentation fault users meet in ``scaled_loss.backward()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+from lightning_ddp_amp.pytorch_lightning import _lightning, native_amp; from lightning_ddp_amp import process_group
+from lightning_ddp_amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES
+from lightning_ddp_amp.devices import select_devices
+from lightning_ddp_amp.environment import (
+    LAUNCHER_VARIABLES,
+    MPIRUN_VARIABLES,
+    SLURM_NODELISTS,
+    SLURM_TASKS_PER_NODE,
+    SRUN_VARIABLES,
+    Topology,
+    detect_launcher,
+    other_launcher,
+    read_topology,
+)
+from lightning_ddp_amp.errors import LightningDDPAmpError
+
+#: apex's compiled extensions: what each one is for, as the report says it.
+#: The oldest torch release the package supports (pyproject.toml: torch>=2.1; CI runs 2.1.2, 2.13.0 and the newest).
+OLDEST_TORCH = Version("2.1")
+
+APEX_EXTENSIONS = {
+    "amp_C": "fused multi-tensor kernels of apex.amp and apex.optimizers",
+    "apex_C": "flatten/unflatten of apex.parallel.DistributedDataParallel",
+    "syncbn": "apex.parallel.SyncBatchNorm",
+    "fused_layer_norm_cuda": "apex.normalization.FusedLayerNorm",
+}
+_APEX_TIMEOUT_S = 120
+
+# The environment a launcher leaves, shown as is so that a report can be compared across ranks: every variable
+# read_topology reads, and the other launchers' families, so that the report can say why they were ignored.
+_SHOWN = (
+    *LAUNCHER_VARIABLES,
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "CUDA_VISIBLE_DEVICES",
+    *SRUN_VARIABLES,
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+    *SLURM_TASKS_PER_NODE,
+    *SLURM_NODELISTS,
+)
+_SHOWN_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_", "MV2_COMM_WORLD_", "JSM_NAMESPACE_")
+
+
+def report(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Everything the doctor knows, as plain JSON-compatible data.
+
+    Args:
+        environ: The environment to read; ``os.environ`` when None.
+        argv: The training command line to search for ``--local-rank``; none when None (the doctor's own
+            arguments are not a training script's).
+
+    Returns:
+        A dict with the sections ``launcher``, ``devices``, ``versions``, ``backends`` and ``apex``, and
+        ``problems``: a list of ``{"problem": ..., "fix": ...}``, empty when nothing stands in the way.
+    """
+    ...
+
+
+def _launcher(
+    env: Mapping[str, str], argv: list[str], problems: list[dict[str, str]]
+) -> tuple[dict[str, Any], Topology | None]:
+    ...
+
+
+def _decision(topology: Topology, gpus: int) -> str:
+    """Launched externally, self-launched, or a single process: what envddp does with this environment."""
+    ...
+
+
+def _ignored_launchers(env: Mapping[str, str], used: str) -> list[str]:
+    """Other launchers' variables in this environment, and why they were not read."""
+    ...
+
+
+def _devices(env: Mapping[str, str], topology: Topology | None, problems: list[dict[str, str]]) -> dict[str, Any]:
+    ...
+
+
+def _versions(problems: list[dict[str, str]]) -> dict[str, Any]:
+    ...
+
+
+def _cudnn_version() -> int | None:
+    ...
+
+
+def _nccl_version() -> str | None:
+    ...
+
+
+def _distribution_version(name: str) -> str | None:
+    ...
+
+
+def _backends(problems: list[dict[str, str]]) -> dict[str, Any]:
+    ...
+
+
+def _apex(problems: list[dict[str, str]]) -> dict[str, Any]:
+    ...
+
+
+def _read(path: Path) -> str:
+    ...
+
+
+def _load_extension(name: str) -> dict[str, str]:
+    """Whether apex's compiled module ``name`` loads next to this torch, tried in a child process."""
+    ...
+
+
+def render(data: Mapping[str, Any]) -> str:
+    """The report as text for people: one line per fact, then the problems with their fixes."""
+    ...
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``lightning-ddp-amp`` command. Returns 0 when the report lists no problems, else 1."""
+    ...

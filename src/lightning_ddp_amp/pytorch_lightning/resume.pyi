@@ -1,0 +1,155 @@
+# Generated from ../resume.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""Surviving crashes and preemption: resume from the newest checkpoint, save one when SIGTERM arrives.
+
+``EnvDDPStrategy(auto_resume=True)`` with a ``ModelCheckpoint(dirpath=..., every_n_train_steps=N)``:
+
+* every ``trainer.fit`` without a ``ckpt_path`` starts from the newest checkpoint in that directory, so a run
+  restarted by ``torchrun --max-restarts`` (or resubmitted by a scheduler) continues where it stopped;
+* while the training loop runs, SIGTERM to any rank (a scheduler's preemption, torchrun shutting down) only raises
+  a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
+  status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
+
+:class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
+(:data:`lightning_ddp_amp.preemption.PREEMPTION`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
+from lightning_fabric.utilities.cloud_io import get_filesystem
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
+from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
+from lightning_ddp_amp.preemption import PREEMPTED_EXIT_CODE, PREEMPTION
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+#: Keys every checkpoint written by Lightning's Trainer has.
+_LIGHTNING_KEYS = ("state_dict", "loops", "global_step")
+_STEP_IN_NAME = re.compile(r"step=(\d+)")
+
+
+def checkpoint_dirs(trainer: pl.Trainer) -> list[Path]:
+    """The ``dirpath`` of every ``ModelCheckpoint`` that saves full checkpoints (weights-only ones cannot resume)."""
+    ...
+
+
+def newest_checkpoint(directories: list[Path]) -> Path | None:
+    """The most recently written ``*.ckpt`` file in ``directories`` (ties: the higher ``step=`` in the name).
+
+    Half-written files never qualify: checkpoints are written to a hidden temporary name, then renamed.
+    """
+    ...
+
+
+def check_checkpoint(checkpoint: object, path: Any) -> None:
+    """Raise a clear error unless ``checkpoint`` is what Lightning's Trainer writes."""
+    ...
+
+
+def unreadable_checkpoint(path: Any, error: Exception) -> CheckpointError:
+    """The error for a checkpoint file that cannot be loaded (truncated, or not a torch checkpoint)."""
+    ...
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint format, written so that a kill halfway never damages the previous file.
+
+    The checkpoint goes to a hidden temporary file in the target's own directory, is flushed to disk, and then
+    renamed over the target. Lightning's own writer stages the file in the system's temporary directory and
+    moves it, which is a copy (not atomic) when the checkpoint directory is on another filesystem.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        ...
+
+
+class AutoResumeLauncher:
+    """Runs each ``trainer.fit`` from the newest checkpoint (a Lightning strategy launcher; starts no process).
+
+    A ``trainer.fit(ckpt_path=...)`` given by the user is left alone.
+
+    Args:
+        resumed: Called with the checkpoint a fit resumes from.
+    """
+
+    is_interactive_compatible = True
+
+    def __init__(self, resumed: Callable[[Path], None]) -> None:
+        ...
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Run ``function`` in this process, resuming a fit without ``ckpt_path`` from the newest checkpoint."""
+        ...
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: this launcher starts no processes."""
+
+
+def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    ...
+
+
+class AutoResume:
+    """Auto-resume and preemption for one strategy: each of its hooks makes one call here.
+
+    Args:
+        enabled: ``auto_resume``. Without it nothing is resumed, and SIGTERM during training ends the process at
+            once (see :class:`~lightning_ddp_amp.preemption.Preemption`).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        ...
+
+    def launcher(self) -> AutoResumeLauncher | None:
+        """The launcher that points each fit at the newest checkpoint; None without auto-resume."""
+        ...
+
+    def _resuming_from(self, checkpoint: Path) -> None:
+        ...
+
+    def setup_distributed(self) -> None:
+        """Once the process group exists: the group that preemption checks and checkpoint agreement run on."""
+        ...
+
+    def on_train_start(self, trainer: pl.Trainer) -> None:
+        """Check that every rank resumed from the same file, and take SIGTERM over for the training loop.
+
+        Raises:
+            CheckpointError: The ranks resumed from different checkpoints.
+        """
+        ...
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """At accumulation boundaries, after a SIGTERM on any rank: all ranks save together and stop.
+
+        Raises:
+            SIGTERMException: The ranks agreed to stop; the checkpoint is saved.
+        """
+        ...
+
+    def stop(self) -> None:
+        """Give SIGTERM back to its previous handler (training ended, or the Trainer tears down)."""
+        ...
+
+    def _check_same_checkpoint(self) -> None:
+        ...

@@ -1,0 +1,400 @@
+# Generated from ../strategy.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""EnvDDPStrategy: the classic torchrun + DistributedDataParallel recipe as a Lightning strategy.
+
+The recipe, and where each of its lines happens here::
+
+    rank, local_rank, world_size = RANK, LOCAL_RANK, WORLD_SIZE   # cluster_environment: read_topology()
+    torch.cuda.set_device(local_rank)                             # setup_environment: pin the device
+    dist.init_process_group("nccl"); dist.barrier()               # setup_distributed
+    model.cuda(); optimizer = SGD(model.parameters())             # setup: device, then optimizers
+    model, optimizer = amp.initialize(model, optimizer)           # setup: precision plugin, before DDP
+    model = DDP(model, device_ids=[local_rank])                   # setup: DDP wrap, last
+    DataLoader(sampler=DistributedSampler(...)); set_epoch(e)     # process_dataloader
+    if rank == 0: save / log                                      # Lightning's rank-zero utilities
+    dist.destroy_process_group()                                  # at interpreter exit
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import pickle
+from collections.abc import Callable, Generator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
+from lightning_ddp_amp import selflaunch
+from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
+from lightning_ddp_amp.pytorch_lightning.data import explain_loader_state_mismatch, shard_dataloader, warn_unshuffled_training_shards
+from lightning_ddp_amp.ddp_options import DDPOptions
+from lightning_ddp_amp.devices import select_devices
+from lightning_ddp_amp.environment import Topology, read_topology
+from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.process_group import (
+    destroy_process_group,
+    explain_peer_failure,
+    init_process_group,
+    torch_gaps,
+)
+from lightning_ddp_amp.pytorch_lightning.resume import AtomicCheckpointIO, AutoResume, check_checkpoint, unreadable_checkpoint
+
+#: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
+COMM_HOOKS: dict[str, Callable[..., Any]] = {
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+}
+
+
+class EnvDDPStrategy(DDPStrategy):
+    """DistributedDataParallel with the topology read from the launcher's environment.
+
+    Launch with ``torchrun`` (or ``python -m torch.distributed.launch``, ``srun``, ``mpirun``) and pass
+    ``Trainer(strategy="envddp")``; ``devices`` and ``num_nodes`` come from the launcher. Without launcher
+    variables the same script trains as one process on the default device, with no process group, unless the
+    Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then the
+    strategy starts the N ranks itself through torchrun, re-running the script with the same arguments
+    (:mod:`lightning_ddp_amp.selflaunch`).
+
+    Args:
+        accelerator: The accelerator; normally chosen by the Trainer.
+        parallel_devices: One device per local rank, as in Lightning's ``ddp``; their number must be the launcher's
+            processes per node (LOCAL_WORLD_SIZE). On CUDA they map local ranks to GPUs, as ``Trainer(devices=[2,
+            3])`` does; without a launcher, several devices start that many ranks. Default: ``cuda:LOCAL_RANK``
+            (``cuda:0`` when each process sees one GPU), or the CPU.
+        cluster_environment: A Lightning ``ClusterEnvironment`` to read the ranks, world size and rendezvous
+            address from instead of the launcher's variables, e.g. ``KubeflowEnvironment()``; the same as passing it
+            in the Trainer's ``plugins``. The processes per node come from its ``local_world_size()`` if it has one,
+            1 for ``KubeflowEnvironment`` (one process per pod), else LOCAL_WORLD_SIZE.
+        checkpoint_io: How checkpoints are written; normally chosen by the Trainer.
+        precision_plugin: The precision plugin; normally chosen by the Trainer.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on CUDA, gloo on CPU.
+        timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
+            A ``timedelta`` or seconds.
+        find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
+            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp_options.DEVIATIONS` says why not.
+        static_graph: Passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
+            a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
+            place): there False, and True is an error.
+        bucket_cap_mb: Passed to ``DistributedDataParallel``.
+        broadcast_buffers: Passed to ``DistributedDataParallel``.
+        ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
+        ddp_comm_state: The state handed to ``ddp_comm_hook``; None for the process group.
+        ddp_comm_wrapper: Wraps ``ddp_comm_hook``, e.g. ``default_hooks.fp16_compress_wrapper``.
+        max_restarts: When the strategy starts the ranks itself, how many times torchrun may restart them after a
+            failure (``torchrun --max-restarts``); with ``auto_resume`` each restart resumes from the newest
+            checkpoint. Under an external launcher, pass ``--max-restarts`` to it instead.
+        auto_resume: Survive crashes and preemption (see :mod:`lightning_ddp_amp.pytorch_lightning.resume`): every fit starts from
+            the newest checkpoint of the ``ModelCheckpoint`` directory, and SIGTERM saves one before exiting.
+        ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
+            (``apex.parallel.DistributedDataParallel``, as apex-era scripts used; ``**ddp_kwargs`` then go to it).
+        split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks.
+        exact_eval: Shard validation and test sets without padding duplicates, so every sample is evaluated once
+            and epoch-level metrics equal a single-process run. Log eval metrics per epoch (Lightning's default
+            for validation) when this is on: ranks may run one batch more or less than each other.
+        **ddp_kwargs: Any other ``DistributedDataParallel`` argument, passed through untouched.
+
+    Raises:
+        LauncherEnvironmentError: A launcher variable, or a value the cluster environment reports, is missing,
+            malformed or out of range (when the Trainer is built: a ClusterEnvironment plugin may still replace the
+            launcher's variables).
+        StrategyConfigurationError: An argument is invalid.
+    """
+
+    strategy_name = "envddp"
+    #: The precision plugin connects (apex: ``amp.initialize``) before the DDP wrap; AmpPrecision asks for this.
+    connects_precision_before_wrap = True
+    _topology: Topology  # set with the cluster environment
+
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        find_unused_parameters: bool | None = None,
+        static_graph: bool | None = None,
+        gradient_as_bucket_view: bool | None = None,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool | None = None,
+        ddp_comm_hook: Literal["fp16", "bf16"] | Callable[..., Any] | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
+        split_batches: bool = False,
+        exact_eval: bool = False,
+        ddp_impl: Literal["torch", "apex"] = "torch",
+        auto_resume: bool = False,
+        max_restarts: int = 0,
+        **ddp_kwargs: Any,
+    ) -> None:
+        # Set by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
+        ...
+
+    @property
+    def topology(self) -> Topology:
+        """What the launcher, or the cluster environment given, set up (validated)."""
+        ...
+
+    @property
+    @override
+    def cluster_environment(self) -> ClusterEnvironment | None:
+        """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
+        the Trainer's ``plugins``), else a :class:`LauncherEnvironment` over the launcher's variables.
+
+        None until one of them is known: that is how the Trainer knows to hand over its plugin.
+        """
+        ...
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
+        """Read the topology from ``environment``; the Trainer calls this with a user's plugin or its own choice.
+
+        Lightning's own environments, which the Trainer picks when given none (``is_lightning_default``), read the
+        variables of launchers envddp reads itself: the launcher's variables are read and validated instead
+        (:func:`read_topology`). Any other environment is honoured through its methods (:func:`environment_topology`).
+
+        None (what ``DDPStrategy.__init__`` passes by default) leaves the choice open.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
+            StrategyConfigurationError: The environment cannot be honoured (see :func:`environment_topology`).
+        """
+        ...
+
+    def _use_launcher_unless_given(self) -> None:
+        # Used outside a Trainer, nothing hands over an environment: read the launcher's variables.
+        ...
+
+    @property
+    def ddp_options(self) -> dict[str, Any]:
+        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
+        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        ...
+
+    @property
+    def auto_resume(self) -> bool:
+        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
+        ...
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
+        ...
+
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
+        until then)."""
+        ...
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
+        node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
+        ...
+
+    @property
+    @override
+    def num_nodes(self) -> int:
+        ...
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
+
+    def check_trainer_flags(
+        self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
+    ) -> None:
+        """Check the Trainer's ``devices``, ``num_nodes`` and ``use_distributed_sampler`` against this strategy.
+
+        ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
+        On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``; so does
+        ``EnvDDPStrategy(parallel_devices=...)``. It starts nothing; :meth:`start_missing_ranks` does.
+
+        Raises:
+            TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
+                ``devices`` contradicts ``parallel_devices``.
+            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
+                precision plugin cannot train with (:meth:`_check_precision_plugin`).
+        """
+        ...
+
+    def _check_precision_plugin(self) -> None:
+        """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
+
+        Raises:
+            StrategyConfigurationError: ``gradient_as_bucket_view=True`` with fp32 master weights, or a gradient
+                compression hook on a model whose gradients are already half precision.
+        """
+        ...
+
+    def _requested_devices(self, devices: list[int] | str | int) -> list[torch.device] | None:
+        """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
+        ...
+
+    def start_missing_ranks(self) -> None:
+        """No launcher started this process: start one rank per device through torchrun, or train alone.
+
+        The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`. The ranks
+        start here rather than in a Lightning launcher when ``fit`` begins: this process becomes torchrun's agent,
+        which supervises and restarts the ranks and never trains (a Lightning launcher runs ``fit`` in the calling
+        process), and the script up to this point runs once more in the agent, so the earlier the better.
+        ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in Lightning). Under a
+        launcher it only logs who started the ranks.
+
+        Raises:
+            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
+        """
+        ...
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The processes already exist: a launcher started them, or start_missing_ranks did when the Trainer was
+        # built. What is left to a launcher is auto_resume's choice of checkpoint. AutoResumeLauncher has the
+        # interface of Lightning's (private) _Launcher without deriving from it.
+        ...
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.pytorch_lightning.resume.AtomicCheckpointIO`)."""
+        ...
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        ...
+
+    @override
+    def setup_distributed(self) -> None:
+        ...
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        ...
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        ...
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        ...
+
+    @override
+    def on_train_start(self) -> None:
+        ...
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        ...
+
+    @override
+    def on_train_end(self) -> None:
+        ...
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        ...
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        ...
+
+    @override
+    def teardown(self) -> None:
+        ...
+
+    @override
+    def configure_ddp(self) -> None:
+        ...
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
+        ...
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        ...
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
+
+        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
+        divide two such averages (sum of values / number of samples), so with the uneven shards of
+        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float.
+        """
+        ...
+
+    def _check_comm_hook(self, backend: str) -> None:
+        ...
+
+    def _route_sampler_injection(self, trainer: Any) -> None:
+        ...
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistryType) -> None:
+        ...
+
+
+def _master_weights(plugin: Precision) -> bool:
+    # AmpPrecision says so for apex O2; duck-typed, since the precision module imports this one.
+    ...
+
+
+def _compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
+    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
+    ...
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    ...
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str, warn: bool = False) -> None:
+    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
+    ...
+
+
+def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
+    ...
+
+
+def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:
+    ...
+
+
+def _broadcast_module_states(module: Module) -> None:
+    ...

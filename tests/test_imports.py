@@ -1,0 +1,235 @@
+"""How the package's modules import one another and Lightning, read from the source (ast, so without importing it).
+
+* No import cycles: every import counts, at module level, inside functions and under ``if TYPE_CHECKING:``.
+* ``_lightning.py`` is the one door to Lightning's private API: no other module imports a private Lightning name,
+  or reaches for an underscore attribute of an object other than its own (``self``/``cls``). What a subclass
+  inherits from Lightning (``self._launcher``, ...) is checked against Lightning's classes in
+  ``tests/test_lightning_internals.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "lightning_ddp_amp"
+ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+FENCE = f"{PACKAGE}._lightning"
+LIGHTNING_ROOTS = ("lightning", "pytorch_lightning", "lightning_fabric")
+#: Lightning modules without an underscore that its documentation does not cover either.
+UNDOCUMENTED_LIGHTNING = (
+    "lightning.pytorch.overrides",
+    "lightning.pytorch.loops",
+    "lightning.pytorch.trainer.connectors",
+)
+
+#: Attributes without an underscore on Lightning objects that its documentation does not cover: its loops' parts.
+UNDOCUMENTED_ATTRIBUTES = ("epoch_loop", "batch_progress")
+#: Underscore attributes the package reads that are not Lightning's, and whose they are.
+NOT_LIGHTNING = {"_amp_stash": "apex amp's state on an optimizer", "_amp_lazy_init": "apex amp's optimizer hook"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+
+
+def _trees() -> Iterator[tuple[str, ast.Module]]:
+    for name, path in MODULES.items():
+        yield name, ast.parse(path.read_text(), str(path))
+
+
+def _imported(module: str, tree: ast.Module) -> Iterator[tuple[str, list[str], int]]:
+    """``(module, names, line)`` for every import anywhere in ``tree``; relative imports made absolute."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            yield base, [alias.name for alias in node.names], node.lineno
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which of the package's modules each of them imports (``from package import module`` counts as the module)."""
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, tree in _trees():
+        for imported, names, _ in _imported(name, tree):
+            submodules = {f"{imported}.{each}" for each in names}
+            targets = submodules & MODULES.keys()
+            if imported in MODULES and (not names or targets != submodules):
+                targets.add(imported)  # the module itself, or names that are its attributes
+            graph[name] |= targets - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for successor in sorted(graph[node]):
+            cycle = visit(successor, [*path, node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str]) -> None:
+    """Point the checks at a package of ``files`` (module name -> source) instead of the real one."""
+    (tmp_path / PACKAGE).mkdir()
+    modules = {}
+    for name, source in files.items():
+        modules[f"{PACKAGE}.{name}"] = path = tmp_path / PACKAGE / f"{name}.py"
+        path.write_text(source + "\n")
+    monkeypatch.setattr(f"{__name__}.MODULES", modules)
+
+
+@pytest.mark.parametrize(
+    "b_imports_a",
+    [
+        "from lightning_ddp_amp import a",
+        "import lightning_ddp_amp.a as a",
+        "from . import a",
+        "def f():\n    from lightning_ddp_amp.a import x",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x",
+    ],
+)
+def test_the_cycle_check_sees_every_kind_of_import(
+    b_imports_a: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_package(tmp_path, monkeypatch, {"a": "from lightning_ddp_amp import b", "b": b_imports_a})
+    assert find_cycle(import_graph()) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.a"]
+
+
+def _lightning_module(name: str) -> str | None:
+    """``name`` spelled as in ``lightning``, or None when it is not Lightning's."""
+    root, _, rest = name.partition(".")
+    if root not in LIGHTNING_ROOTS:
+        return None
+    spelled = {"pytorch_lightning": "lightning.pytorch", "lightning_fabric": "lightning.fabric"}.get(root, root)
+    return f"{spelled}.{rest}" if rest else spelled
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_lightning_imports() -> list[str]:
+    """``module:line imported`` for each import of a private Lightning name outside ``_lightning.py``."""
+    found = []
+    for module, tree in _trees():
+        if module == FENCE:
+            continue
+        for imported, names, line in _imported(module, tree):
+            spelled = _lightning_module(imported)
+            if spelled is None:
+                continue
+            private_names = [each for each in names if _private(each)]
+            if any(_private(part) for part in spelled.split(".")) or spelled.startswith(UNDOCUMENTED_LIGHTNING):
+                private_names = names or [imported]
+            found += [f"{module}:{line} {imported}.{each}" for each in private_names]
+    return found
+
+
+def test_only_the_fence_imports_private_lightning_names() -> None:
+    assert private_lightning_imports() == []
+
+
+class _ForeignPrivateAttributes(ast.NodeVisitor):
+    """Collects underscore attributes read from an object that is not self or cls, and Lightning's loop parts.
+
+    ``super()._x`` counts unless the enclosing method is ``_x`` itself (an override calling the one it overrides);
+    ``getattr(x, "_y")`` and its siblings count as reading ``x._y``.
+    """
+
+    def __init__(self) -> None:
+        self.found: list[tuple[int, str]] = []
+        self.function = ""
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        outer, self.function = self.function, node.name
+        self.generic_visit(node)
+        self.function = outer
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        owner = node.value
+        own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+        overridden = isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super" and node.attr == self.function
+        if node.attr in UNDOCUMENTED_ATTRIBUTES or (
+            _private(node.attr) and node.attr not in NOT_LIGHTNING and not own and not overridden
+        ):
+            self.found.append((node.lineno, ast.unparse(node)))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = node.args[1] if len(node.args) > 1 else None
+        text = name.value if isinstance(name, ast.Constant) else None
+        reflective = ast.unparse(node.func) in ("getattr", "setattr", "hasattr", "delattr")
+        if reflective and isinstance(text, str) and _private(text) and text not in NOT_LIGHTNING:
+            self.found.append((node.lineno, ast.unparse(node)))
+        self.generic_visit(node)
+
+
+def foreign_private_attributes() -> list[str]:
+    """``module:line expression`` for each underscore attribute of another object read outside ``_lightning.py``."""
+    found = []
+    for module, tree in _trees():
+        if module != FENCE:
+            visitor = _ForeignPrivateAttributes()
+            visitor.visit(tree)
+            found += [f"{module}:{line} {expression}" for line, expression in visitor.found]
+    return found
+
+
+def test_only_the_fence_reads_underscore_attributes_of_other_objects() -> None:
+    assert foreign_private_attributes() == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from lightning.fabric.strategies.registry import _StrategyRegistry", ["_StrategyRegistry"]),
+        ("from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler", ["Unrepeated"]),
+        ("import lightning.pytorch.trainer.connectors.accelerator_connector as c", ["connectors"]),
+        ("from lightning.pytorch.strategies import DDPStrategy", []),
+        ("x.trainer._accelerator_connector", ["_accelerator_connector"]),
+        ("trainer.fit_loop.epoch_loop.batch_progress.current", ["batch_progress", "epoch_loop"]),
+        ("getattr(loop, '_broadcast_sigterm_tensor')", ["_broadcast_sigterm_tensor"]),
+        ("class A:\n    def _setup_model(self, m):\n        return super()._setup_model(m) + self._ddp_kwargs", []),
+        ("class A:\n    def setup(self, m):\n        return super()._setup_model(m)", ["_setup_model"]),
+    ],
+)
+def test_the_fence_checks_find_what_they_look_for(
+    source: str, expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_package(tmp_path, monkeypatch, {"fake": source})
+    found = private_lightning_imports() + foreign_private_attributes()
+    assert len(found) == len(expected)
+    assert all(word in line for word, line in zip(expected, found, strict=True))
