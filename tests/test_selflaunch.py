@@ -10,9 +10,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from lightning_ddp_amp import StrategyConfigurationError, selflaunch
 from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE
+from lightning_ddp_amp.selflaunch import _first_failure
 
 
 def main_module(file: str | None = None, spec_name: str | None = None) -> types.ModuleType:
@@ -72,3 +74,19 @@ def test_processes_of_a_launcher_envddp_does_not_read_do_not_each_start_a_job(
     with pytest.raises(StrategyConfigurationError) as raised:
         selflaunch.plan(2, 0)
     assert f"a launcher envddp does not read started this process ({name}='4')" in str(raised.value)
+
+
+def failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+    """torchrun's record of a rank that failed without an error file, stamped ``timestamp`` (whole seconds)."""
+    recorded = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+    recorded.timestamp = timestamp
+    return recorded
+
+
+def test_within_the_same_second_the_rank_killed_by_a_signal_failed_first() -> None:
+    # Rank 1 was SIGKILLed; rank 0 then failed on the broken connection, stamped in the same second.
+    assert _first_failure([failure(0, 1, 100), failure(1, -9, 100)]).local_rank == 1
+
+
+def test_an_earlier_failure_comes_first_whatever_its_kind() -> None:
+    assert _first_failure([failure(0, 1, 99), failure(1, -9, 100)]).local_rank == 0

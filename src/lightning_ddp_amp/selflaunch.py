@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE, other_launcher
 from lightning_ddp_amp.errors import StrategyConfigurationError
@@ -107,7 +107,7 @@ def launch(arguments: Sequence[str]) -> NoReturn:
     try:
         torchrun(list(arguments))
     except ChildFailedError as error:
-        _, failure = error.get_first_failure()
+        failure = _first_failure(error.failures.values())
         print(str(error), file=sys.stderr)
         status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         raise SystemExit(status or 1) from None
@@ -117,3 +117,13 @@ def launch(arguments: Sequence[str]) -> NoReturn:
         traceback.print_exc()
         raise SystemExit(1) from None
     raise SystemExit(0)
+
+
+def _first_failure(failures: Iterable[Any]) -> Any:
+    """The rank failure that came first: the earliest, and within the same second a rank killed by a signal.
+
+    torchrun's own choice (``ChildFailedError.get_first_failure``) compares timestamps in whole seconds, and a
+    rank without an error file is stamped when torchrun notices it. A rank killed by a signal and the peers that
+    then fail on its broken connections often share a second; the signal came first.
+    """
+    return min(failures, key=lambda failure: (failure.timestamp, failure.exitcode >= 0))
