@@ -37,7 +37,7 @@ DOCUMENTED_AMP = DOCUMENTED | {
     "precision.AmpPrecision.backward.<locals>.run_backward",
     "precision.AmpPrecision.convert_input",
     "precision.AmpPrecision.forward_context",
-    "precision.AmpPrecision._amp",
+    "precision.AmpPrecision.amp_backend",
     "precision.AmpPrecision.optimizer_step",
     # Lightning's before-step hooks and gradient clipping, between the closure and the step (through the fence).
     "_lightning.after_closure",

@@ -24,6 +24,7 @@ from lightning_ddp_amp import (
     PrecisionConfigurationError,
     StrategyConfigurationError,
 )
+from lightning_ddp_amp.native_amp import NativeAmp
 
 DATA = TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.randn(32, 1))
 
@@ -263,9 +264,9 @@ def test_apex_asks_the_strategy_whether_it_connects_precision_before_its_ddp_wra
     assert trainer(strategy=strategy, devices=1, precision="apex-O1").strategy is strategy
 
 
-def test_the_native_backend_of_an_apex_plugin_is_a_clear_error(apex_double: ModuleType) -> None:
-    with pytest.raises(PrecisionConfigurationError, match=r"^backend='apex': AmpPrecision.native is the torch.amp"):
-        _ = AmpPrecision(backend="apex").native
+def test_the_plugin_hands_its_hooks_to_the_backend_it_was_given(apex_double: ModuleType) -> None:
+    assert type(AmpPrecision(backend="apex").amp_backend).__name__ == "ApexAmp"
+    assert type(AmpPrecision(backend="native").amp_backend).__name__ == "NativeAmp"
 
 
 def test_apex_bfloat16_is_an_error(apex_double: ModuleType) -> None:
@@ -321,7 +322,7 @@ def test_native_bfloat16_needs_no_scaler(no_apex: None) -> None:
     t = fit(model, plugins=[AmpPrecision(dtype="bfloat16")])
     assert model.hidden_dtypes == {torch.bfloat16}
     assert t.precision == "bf16-mixed"
-    assert t.precision_plugin.native.scaler is None
+    assert native_scaler(t) is None
 
 
 def test_native_o0_is_fp32(no_apex: None) -> None:
@@ -368,7 +369,7 @@ def test_native_max_loss_scale_caps_the_scalers_growth(no_apex: None) -> None:
 @needs_cpu_fp16
 def test_native_min_loss_scale_floors_the_scaler_after_an_overflow(no_apex: None) -> None:
     t = fit(TwoModels(overflow_at_step=3), plugins=[AmpPrecision(min_loss_scale=256.0, max_loss_scale=256.0)])
-    assert t.precision_plugin.native.scaler.get_scale() == 256.0  # halved by the overflow, then floored
+    assert native_scaler(t).get_scale() == 256.0  # halved by the overflow, then floored
     assert t.lr_scheduler_configs[0].scheduler.last_epoch == 7
 
 
@@ -411,7 +412,7 @@ def test_native_overflow_skips_the_step_and_holds_the_schedule(no_apex: None) ->
     scheduler = t.lr_scheduler_configs[0].scheduler
     assert t.global_step == 8
     assert scheduler.last_epoch == 7  # 8 steps, one skipped on overflow
-    assert t.precision_plugin.native.scaler.get_scale() == 128.0
+    assert native_scaler(t).get_scale() == 128.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -800,3 +801,10 @@ def test_a_native_checkpoint_carries_its_loss_scale_to_apex(apex_double: ModuleT
     plugin.connect(model, [torch.optim.SGD(model.parameters(), lr=0.1)], [])
     plugin.load_state_dict({"backend": "native", "loss_scalers": [{"loss_scale": 512.0, "unskipped": 7}]})
     assert apex_double.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 7}
+
+
+def native_scaler(trainer: L.Trainer) -> Any:
+    """The GradScaler of the Trainer's native AmpPrecision backend (None where it scales nothing)."""
+    backend = trainer.precision_plugin.amp_backend
+    assert isinstance(backend, NativeAmp)
+    return backend.scaler

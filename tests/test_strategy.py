@@ -200,7 +200,7 @@ def test_post_local_sgd_model_averaging_is_refused_naming_the_fix() -> None:
 
 def test_a_post_local_sgd_comm_state_is_refused_when_the_strategy_is_built() -> None:
     state = post_localSGD.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=10)
-    with pytest.raises(StrategyConfigurationError, match=r"^model_averaging_period=None: envddp does not run"):
+    with pytest.raises(StrategyConfigurationError, match=r"^ddp_comm_state='PostLocalSGDState': envddp does not run"):
         EnvDDPStrategy(ddp_comm_hook=post_localSGD.post_localSGD_hook, ddp_comm_state=state)
 
 

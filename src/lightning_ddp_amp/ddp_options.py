@@ -116,13 +116,13 @@ def _refuse_model_averaging(extra: dict[str, Any], comm_state: object) -> None:
     # Post-localSGD needs Lightning's periodic model averager, which envddp does not run; without it the replicas
     # would drift apart silently after start_localSGD_iter.
     if "model_averaging_period" in extra:
-        value: Any = extra["model_averaging_period"]
+        field, value = "model_averaging_period", extra["model_averaging_period"]
     elif isinstance(comm_state, post_localSGD.PostLocalSGDState):
-        value = None
+        field, value = "ddp_comm_state", type(comm_state).__name__
     else:
         return
     raise StrategyConfigurationError(
-        "model_averaging_period",
+        field,
         value,
         "envddp does not run post-localSGD model averaging (a PostLocalSGDState ddp_comm_state needs it)",
         "drop model_averaging_period and the PostLocalSGDState, or use Trainer(strategy='ddp') for post-localSGD",

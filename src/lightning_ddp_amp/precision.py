@@ -34,7 +34,6 @@ from typing_extensions import override
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
-from lightning_ddp_amp.native_amp import NativeAmp
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 BACKENDS = ("auto", *backend_names())
@@ -127,29 +126,16 @@ class AmpPrecision(Precision):
         return self._backend_class.model_dtype(self._settings)
 
     @property
-    def _amp(self) -> AmpBackend:
-        # Built on first use, after check_trainer_setup has told the device; a plugin used alone guesses it.
+    def amp_backend(self) -> AmpBackend:
+        """The backend the hooks hand over to (:mod:`~lightning_ddp_amp.amp_backend`): apex's or torch.amp's.
+
+        Built on first use, after the Trainer has told the device (``check_trainer_setup``); a plugin used alone
+        guesses it.
+        """
         if self._built is None:
             device = self._device_type or ("cuda" if torch.cuda.is_available() else "cpu")
             self._built = self._backend_class.from_settings(self._settings, device)
         return self._built
-
-    @property
-    def native(self) -> NativeAmp:
-        """The torch.amp backend, built once the device is known (when the Trainer is built).
-
-        Raises:
-            PrecisionConfigurationError: The plugin runs on another backend.
-        """
-        amp = self._amp
-        if not isinstance(amp, NativeAmp):
-            raise PrecisionConfigurationError(
-                "backend",
-                self.backend,
-                "AmpPrecision.native is the torch.amp backend, and this plugin runs on another one",
-                'read AmpPrecision.native only with backend="native"',
-            )
-        return amp
 
     def check_trainer_setup(self, strategy: Strategy, accelerator: Accelerator) -> None:
         """Check that the Trainer can run this plugin; called when the Trainer is built.
@@ -160,7 +146,7 @@ class AmpPrecision(Precision):
                 precision plugin sees it, or native float16 on a CPU whose torch lacks it.
         """
         self._device_type = _device_type(accelerator)
-        self._amp.check_trainer_setup(strategy, self._device_type)
+        self.amp_backend.check_trainer_setup(strategy, self._device_type)
 
     @override
     def connect(
@@ -169,9 +155,9 @@ class AmpPrecision(Precision):
         if not optimizers:
             # Evaluation only: apex is initialized for training; the model runs as the last fit left it.
             return model, optimizers, lr_schedulers
-        self._amp.connect(model, self.amp_modules, optimizers)
+        self.amp_backend.connect(model, self.amp_modules, optimizers)
         self._optimizers = list(optimizers)
-        if self._amp.may_skip_steps:
+        if self.amp_backend.may_skip_steps:
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
 
@@ -217,17 +203,17 @@ class AmpPrecision(Precision):
 
     @override
     def convert_module(self, module: Module) -> Module:
-        self._amp.convert_module(module, self.amp_modules)
+        self.amp_backend.convert_module(module, self.amp_modules)
         return module
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return self._amp.convert_input(data)
+        return self.amp_backend.convert_input(data)
 
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        with self._amp.forward_context():
+        with self.amp_backend.forward_context():
             yield
 
     @override
@@ -280,7 +266,7 @@ class AmpPrecision(Precision):
         def run_backward(scaled: Tensor) -> None:
             model.backward(scaled, *args, **kwargs)
 
-        self._amp.backward(tensor, chosen, run_backward, loss_id, bool(delay_unscale))
+        self.amp_backend.backward(tensor, chosen, run_backward, loss_id, bool(delay_unscale))
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -294,7 +280,7 @@ class AmpPrecision(Precision):
 
         Without loss scaling (O0, O3, bfloat16) the closure goes to ``step()`` as usual, so LBFGS works there.
         """
-        if not self._amp.scales_loss:
+        if not self.amp_backend.scales_loss:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise PrecisionConfigurationError(
@@ -312,18 +298,18 @@ class AmpPrecision(Precision):
             # training_step returned None: there was no backward, so there is nothing to unscale or step.
             _lightning.after_closure(self, model, optimizer)
             return None
-        self._amp.unscale(optimizer)
+        self.amp_backend.unscale(optimizer)
         _lightning.after_closure(self, model, optimizer)
-        result, self._skipped[id(optimizer)] = self._amp.step(optimizer, **kwargs)
+        result, self._skipped[id(optimizer)] = self.amp_backend.step(optimizer, **kwargs)
         return result
 
     @override
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:  # type: ignore[override]
-        return self._amp.main_params(optimizer)
+        return self.amp_backend.main_params(optimizer)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "opt_level": self.opt_level, **self._amp.state_dict()}
+        return {"backend": self.backend, "opt_level": self.opt_level, **self.amp_backend.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -339,7 +325,7 @@ class AmpPrecision(Precision):
                 "its AmpPrecision state lacks 'backend' and 'loss_scalers': it was not written by AmpPrecision",
                 "resume from a checkpoint written with AmpPrecision, or start without ckpt_path",
             )
-        self._amp.load_state_dict(state_dict)
+        self.amp_backend.load_state_dict(state_dict)
 
     @override
     def teardown(self) -> None:

@@ -35,7 +35,6 @@ from typing_extensions import override
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
-from lightning_ddp_amp.pytorch_lightning.native_amp import NativeAmp
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 BACKENDS = ("auto", *backend_names())
@@ -100,16 +99,11 @@ class AmpPrecision(Precision):
         ...
 
     @property
-    def _amp(self) -> AmpBackend:
-        # Built on first use, after check_trainer_setup has told the device; a plugin used alone guesses it.
-        ...
+    def amp_backend(self) -> AmpBackend:
+        """The backend the hooks hand over to (:mod:`~lightning_ddp_amp.pytorch_lightning.amp_backend`): apex's or torch.amp's.
 
-    @property
-    def native(self) -> NativeAmp:
-        """The torch.amp backend, built once the device is known (when the Trainer is built).
-
-        Raises:
-            PrecisionConfigurationError: The plugin runs on another backend.
+        Built on first use, after the Trainer has told the device (``check_trainer_setup``); a plugin used alone
+        guesses it.
         """
         ...
 

@@ -367,7 +367,7 @@ class EnvDDPStrategy(DDPStrategy):
 
 
 def _master_weights(plugin: Precision) -> bool:
-    # AmpPrecision says so for apex O2; duck-typed, since the precision module imports this one.
+    # Asked of any precision plugin, not only AmpPrecision (which keeps fp32 master weights under apex O2).
     ...
 
 
