@@ -266,7 +266,7 @@ def test_apex_asks_the_strategy_whether_it_connects_precision_before_its_ddp_wra
 
 def test_the_plugin_hands_its_hooks_to_the_backend_it_was_given(apex_double: ModuleType) -> None:
     assert type(AmpPrecision(backend="apex").amp_backend).__name__ == "ApexAmp"
-    assert type(AmpPrecision(backend="native").amp_backend).__name__ == "NativeAmp"
+    assert type(AmpPrecision(backend="native", dtype="bfloat16").amp_backend).__name__ == "NativeAmp"
 
 
 def test_apex_bfloat16_is_an_error(apex_double: ModuleType) -> None:

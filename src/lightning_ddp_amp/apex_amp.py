@@ -178,15 +178,16 @@ class ApexAmp(AmpBackend):
         loss_scale = self.options.get("loss_scale")
         return loss_scale == "dynamic" or (loss_scale is None and self.opt_level in ("O1", "O2"))
 
+    @classmethod
     @override
-    def check_trainer_setup(self, strategy: Strategy, device_type: str) -> None:
+    def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
         """Refuse a device apex cannot run on, and a strategy that wraps the model in DDP before ``connect``.
 
         Raises:
             ApexUnavailableError: An accelerator other than CUDA.
             PrecisionConfigurationError: The strategy wraps the model in DDP before the precision plugin sees it.
         """
-        if not supports_device(self.amp, device_type):
+        if not supports_device(load_apex_module("apex.amp", "backend", "apex"), device_type):
             raise ApexUnavailableError(
                 "accelerator",
                 device_type,

@@ -143,10 +143,10 @@ class AmpPrecision(Precision):
         Raises:
             ApexUnavailableError: apex amp on an accelerator other than CUDA.
             PrecisionConfigurationError: apex amp with a strategy that wraps the model in DDP before the
-                precision plugin sees it, or native float16 on a CPU whose torch lacks it.
+                precision plugin sees it.
         """
         self._device_type = _device_type(accelerator)
-        self.amp_backend.check_trainer_setup(strategy, self._device_type)
+        self._backend_class.check_trainer_setup(self._settings, strategy, self._device_type)
 
     @override
     def connect(

@@ -109,8 +109,9 @@ class AmpBackend(abc.ABC):
     def may_skip_steps(self) -> bool:
         """Whether a dynamic loss scaler can skip a step on overflow."""
 
-    def check_trainer_setup(self, strategy: Strategy, device_type: str) -> None:  # noqa: B027 (optional hook)
-        """Refuse a strategy or device this backend cannot train with."""
+    @classmethod  # noqa: B027 (optional hook)
+    def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
+        """Refuse a strategy or device this backend cannot train with, when the Trainer is built (builds nothing)."""
 
     def convert_module(self, module: Module, select: ModuleSelector) -> None:  # noqa: B027 (optional hook)
         """Prepare the model before the optimizers exist (``Precision.convert_module``)."""

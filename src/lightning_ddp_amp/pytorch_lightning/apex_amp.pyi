@@ -121,8 +121,9 @@ class ApexAmp(AmpBackend):
     def may_skip_steps(self) -> bool:
         ...
 
+    @classmethod
     @override
-    def check_trainer_setup(self, strategy: Strategy, device_type: str) -> None:
+    def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
         """Refuse a device apex cannot run on, and a strategy that wraps the model in DDP before ``connect``.
 
         Raises:

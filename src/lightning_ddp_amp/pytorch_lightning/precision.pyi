@@ -113,7 +113,7 @@ class AmpPrecision(Precision):
         Raises:
             ApexUnavailableError: apex amp on an accelerator other than CUDA.
             PrecisionConfigurationError: apex amp with a strategy that wraps the model in DDP before the
-                precision plugin sees it, or native float16 on a CPU whose torch lacks it.
+                precision plugin sees it.
         """
         ...
 
