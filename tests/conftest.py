@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,8 @@ from types import ModuleType
 
 import pytest
 import torch
+
+from lightning_ddp_amp import native_amp
 
 PACKAGE = "lightning_ddp_amp"
 
@@ -102,37 +103,12 @@ def apex_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
 
 
 def cpu_fp16_missing() -> str | None:
-    """What this torch lacks to compute in float16 on the CPU, or None when it has it all (torch 2.3 and later).
+    """Why this torch cannot compute in float16 on the CPU, or None when it can (torch 2.3 and later).
 
-    A probe, not a version check: it runs an fp16 linear, conv2d and bmm, a linear under
-    ``torch.autocast("cpu", dtype=torch.float16)``, and builds ``torch.amp.GradScaler("cpu")``.
+    The package's own probe (:func:`lightning_ddp_amp.native_amp.cpu_fp16_missing`), which
+    ``test_torch_features.py`` checks against the torch releases known to have it.
     """
-    half = torch.float16
-
-    def autocast_linear() -> torch.Tensor:
-        # torch 2.1 warns and disables CPU autocast for float16 instead of raising: the dtype tells.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.autocast("cpu", dtype=half):
-                return torch.nn.functional.linear(torch.ones(2, 2), torch.ones(2, 2))
-
-    def ones(*shape: int) -> torch.Tensor:
-        return torch.ones(*shape, dtype=half)
-
-    probes = {
-        "fp16 linear": lambda: torch.nn.functional.linear(ones(2, 2), ones(2, 2)),
-        "fp16 conv2d": lambda: torch.nn.functional.conv2d(ones(1, 1, 3, 3), ones(1, 1, 2, 2)),
-        "fp16 bmm": lambda: torch.bmm(ones(1, 2, 2), ones(1, 2, 2)),
-        'torch.autocast("cpu", dtype=torch.float16)': autocast_linear,
-        'torch.amp.GradScaler("cpu")': lambda: torch.amp.GradScaler("cpu").scale(torch.ones(1)),
-    }
-    missing = []
-    for name, probe in probes.items():
-        try:
-            if probe().dtype != (torch.float32 if "GradScaler" in name else half):
-                missing.append(name)
-        except Exception:  # whatever this torch raises for an operation it lacks
-            missing.append(name)
+    missing = native_amp.cpu_fp16_missing()
     if not missing:
         return None
     return f"this torch ({torch.__version__}) lacks CPU float16: {', '.join(missing)}; torch 2.3 and later have it"

@@ -51,8 +51,8 @@ DEVIATIONS: dict[str, Deviation] = {
         value=True,
         reason="gradients live in DDP's communication buckets instead of being copied into them: faster, less"
         " memory, the same numerics (benchmarks/)",
-        not_with_master_weights="apex's zero_grad detaches each model gradient in place, which DDP's bucket views"
-        " do not allow",
+        not_with_master_weights="apex's optimizer.zero_grad() detaches every model gradient in place"
+        " (param.grad.detach_()), which torch refuses on DDP's bucket views (\"Can't detach views in-place\")",
     ),
 }
 
@@ -109,6 +109,14 @@ class DDPOptions:
             name: deviation.not_with_master_weights
             for name, deviation in DEVIATIONS.items()
             if self.apex_class is None and name not in self.given and deviation.not_with_master_weights
+        }
+
+    def refused_with_master_weights(self) -> dict[str, str]:
+        """Options the user set to a deviation that fp32 master weights rule out, with the reason."""
+        return {
+            name: deviation.not_with_master_weights
+            for name, deviation in DEVIATIONS.items()
+            if self.apex_class is None and self.given.get(name) == deviation.value and deviation.not_with_master_weights
         }
 
 

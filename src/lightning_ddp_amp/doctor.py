@@ -44,10 +44,10 @@ from lightning_ddp_amp.environment import (
 )
 from lightning_ddp_amp.errors import LightningDDPAmpError
 
-#: apex's compiled extensions: what each one is for, as the report says it.
 #: The oldest torch release the package supports (pyproject.toml: torch>=2.1; CI runs 2.1.2, 2.13.0 and the newest).
 OLDEST_TORCH = Version("2.1")
 
+#: apex's compiled extensions: what each one is for, as the report says it.
 APEX_EXTENSIONS = {
     "amp_C": "fused multi-tensor kernels of apex.amp and apex.optimizers",
     "apex_C": "flatten/unflatten of apex.parallel.DistributedDataParallel",

@@ -358,17 +358,20 @@ class EnvDDPStrategy(DDPStrategy):
         """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
 
         Raises:
-            StrategyConfigurationError: ``gradient_as_bucket_view=True`` with fp32 master weights, or a gradient
+            StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
+                out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
                 compression hook on a model whose gradients are already half precision.
         """
         plugin = self.precision_plugin
-        if self._ddp.given.get("gradient_as_bucket_view") and self._ddp.apex_class is None and _master_weights(plugin):
+        refused = self._ddp.refused_with_master_weights() if _master_weights(plugin) else {}
+        for name, reason in refused.items():
+            value = self._ddp.given[name]
             raise StrategyConfigurationError(
-                "gradient_as_bucket_view",
-                True,
-                f"under {plugin} apex's optimizer.zero_grad() detaches every model gradient in place"
-                " (param.grad.detach_()), which torch refuses on DDP's bucket views (\"Can't detach views in-place\")",
-                "drop gradient_as_bucket_view=True (envddp leaves it off for apex O2), or use opt_level='O1'",
+                name,
+                value,
+                f"under {plugin} {reason}",
+                f"drop {name}={value!r} (envddp leaves it at torch's default under fp32 master weights), or use"
+                " opt_level='O1'",
             )
         half = getattr(plugin, "model_dtype", None)
         compression = _compression_dtype(self._ddp_comm_hook, self._ddp_comm_wrapper)

@@ -249,7 +249,8 @@ class EnvDDPStrategy(DDPStrategy):
         """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
 
         Raises:
-            StrategyConfigurationError: ``gradient_as_bucket_view=True`` with fp32 master weights, or a gradient
+            StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
+                out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
                 compression hook on a model whose gradients are already half precision.
         """
         ...
