@@ -6,10 +6,12 @@ Plain torch models and optimizers, no Lightning. Each test takes the double fres
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -246,6 +248,28 @@ def test_unpatch_torch_for_tests_puts_back_the_original_functions(apex_double: M
     assert F.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.float32
 
 
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        ("F.binary_cross_entropy", "amp does not work out-of-the-box with `F.binary_cross_entropy`"),
+        ("Tensor.exp_", "Cannot call in-place method exp_ on fp16 Tensors"),
+        ("torch.exp_", "Cannot call in-place function exp_ with fp16 arguments"),
+        ("torch.add", "Do not know how to handle these types to promote"),
+    ],
+)
+def test_o1_refuses_what_apex_refuses(apex_double: ModuleType, call: str, words: str) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    half = torch.full((2,), 0.5, dtype=torch.float16)
+    calls = {
+        "F.binary_cross_entropy": lambda: F.binary_cross_entropy(half, half),
+        "Tensor.exp_": lambda: half.exp_(),
+        "torch.exp_": lambda: torch.exp_(half),
+        "torch.add": lambda: torch.add(half, half.double()),  # fp16 with fp64: apex promotes only fp16 with fp32
+    }
+    with pytest.raises(NotImplementedError, match=words):
+        calls[call]()
+
+
 # --- the loss scaler ---------------------------------------------------------------------------------------------
 
 
@@ -298,6 +322,13 @@ def test_the_skip_replaces_only_the_next_step(apex_double: ModuleType) -> None:
     assert not torch.equal(before, model[2].weight)
 
 
+def test_the_skipped_step_refuses_a_closure(apex_double: ModuleType) -> None:
+    model, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O0", loss_scale="dynamic")
+    backward(apex_double, model, optimizer, scale_by=float("inf"))
+    with pytest.raises(RuntimeError, match="Amp does not support closure use with optimizers"):
+        optimizer.step(lambda: 0.0)
+
+
 def test_the_scale_doubles_after_2000_clean_steps_and_not_before(apex_double: ModuleType) -> None:
     weight, optimizer = scalar_model(apex_double, loss_scale="dynamic")
     clean_steps(apex_double, weight, optimizer, 1999)
@@ -327,6 +358,12 @@ def test_each_loss_has_its_own_scaler(apex_double: ModuleType) -> None:
     backward(apex_double, model, optimizer, loss_id=0)
     backward(apex_double, model, optimizer, scale_by=float("inf"), loss_id=1)
     assert loss_scales(apex_double) == [2.0**16, 2.0**15]
+
+
+def test_a_loss_id_beyond_num_losses_fails_as_in_apex(apex_double: ModuleType) -> None:
+    weight, optimizer = scalar_model(apex_double, loss_scale="dynamic", num_losses=2)
+    with pytest.raises(IndexError), apex_double.scale_loss(weight.sum(), optimizer, loss_id=2):
+        pass
 
 
 def test_a_static_loss_scale_of_one_never_checks_for_overflow(apex_double: ModuleType) -> None:
@@ -414,15 +451,12 @@ def test_initialize_returns_what_it_was_given_in_the_same_shape(apex_double: Mod
 WRAPPERS = {
     "torch.nn.parallel.DistributedDataParallel": torch.nn.parallel.DistributedDataParallel,
     "torch.nn.parallel.DataParallel": torch.nn.DataParallel,
-    "apex.parallel.DistributedDataParallel": None,
 }
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_initialize_refuses_a_model_already_wrapped_for_data_parallel(apex_double: ModuleType, wrapper: str) -> None:
-    from apex.parallel import DistributedDataParallel as ApexDDP
-
-    cls = WRAPPERS[wrapper] or ApexDDP
+    cls = WRAPPERS[wrapper]
     wrapped = cls.__new__(cls)  # only its type matters: amp.initialize refuses it before touching it
     with pytest.raises(RuntimeError, match=f"^Incoming model is an instance of {wrapper}. Parallel wrappers"):
         initialize(apex_double, wrapped, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
@@ -444,11 +478,45 @@ def test_initialize_refuses_a_model_already_in_fp16(apex_double: ModuleType) -> 
         initialize(apex_double, model.half(), optimizer, opt_level="O2")
 
 
+def test_initialize_refuses_an_fp16_buffer_in_an_fp32_model(apex_double: ModuleType) -> None:
+    model, optimizer = model_and_optimizer()
+    model.register_buffer("scale", torch.ones(1, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match=r"^Found buffer scale with type torch\.HalfTensor"):
+        initialize(apex_double, model, optimizer, opt_level="O0")
+
+
 def test_initialize_refuses_an_optimizer_passed_twice(apex_double: ModuleType) -> None:
     model, optimizer = model_and_optimizer()
     initialize(apex_double, model, optimizer, opt_level="O0")
     with pytest.raises(RuntimeError, match=r"A given optimizer should only be passed through amp\.initialize once"):
         initialize(apex_double, model, optimizer, opt_level="O0")
+
+
+def test_initialize_refuses_an_optimizer_that_already_has_amps_methods(apex_double: ModuleType) -> None:
+    class HasAmpMethod(torch.optim.SGD):
+        def _amp_lazy_init(self) -> None:
+            pass
+
+    model, _ = model_and_optimizer()
+    with pytest.raises(RuntimeError, match=r"^Incoming optimizer already has _amp_lazy_init defined"):
+        initialize(apex_double, model, HasAmpMethod(model.parameters(), lr=0.1), opt_level="O0")
+
+
+def test_an_optimizer_parameter_neither_fp16_nor_fp32_is_a_type_error(apex_double: ModuleType) -> None:
+    weight = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    initialize(apex_double, torch.nn.Linear(1, 1), optimizer, opt_level="O0", loss_scale=128.0)
+    with (
+        pytest.raises(TypeError, match=r"torch\.cuda\.HalfTensor\. Received torch\.DoubleTensor"),
+        apex_double.scale_loss(weight.sum(), optimizer),
+    ):
+        pass
+
+
+def test_add_param_group_refuses_a_set(apex_double: ModuleType) -> None:
+    _, optimizer = initialize(apex_double, *model_and_optimizer(), opt_level="O0")
+    with pytest.raises(TypeError, match="ordered collections"):
+        optimizer.add_param_group({"params": {torch.nn.Parameter(torch.ones(1))}})
 
 
 def test_a_second_initialize_is_allowed_as_in_apex(apex_double: ModuleType) -> None:
@@ -474,6 +542,26 @@ def test_initialize_refuses_an_unknown_opt_level(apex_double: ModuleType) -> Non
 def test_o1_refuses_options_that_cast_the_model(apex_double: ModuleType, option: dict[str, Any], words: str) -> None:
     with pytest.raises(RuntimeError, match=words):
         initialize(apex_double, *model_and_optimizer(), opt_level="O1", **option)
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "words"),
+    [
+        ({"patch_torch_functions": True}, RuntimeError, "patch_torch_functions=True should only be set by selecting"),
+        ({"keep_batchnorm_fp32": "yes"}, AssertionError, "keep_batchnorm_fp32 must be a boolean"),
+    ],
+)
+def test_initialize_refuses_inconsistent_options(
+    apex_double: ModuleType, option: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        initialize(apex_double, *model_and_optimizer(), opt_level="O0", **option)
+
+
+def test_initialize_refuses_cudnn_disabled(apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.cudnn, "enabled", False)
+    with pytest.raises(RuntimeError, match=r"^Amp requires torch\.backends\.cudnn\.enabled = True"):
+        initialize(apex_double, *model_and_optimizer(), opt_level="O0")
 
 
 def test_initialize_warns_that_apex_amp_is_deprecated(apex_double: ModuleType) -> None:
@@ -625,3 +713,62 @@ def test_apex_ddp_with_allreduce_disabled_keeps_each_ranks_gradients(apex_ddp_ra
 def test_apex_ddp_refuses_a_second_backward_without_a_forward(apex_ddp_ranks: list[dict[str, Any]]) -> None:
     for record in apex_ddp_ranks:
         assert "attempting to replace an already-filled bucket slot" in record["second backward without a forward"]
+
+
+# --- apex.parallel.DistributedDataParallel's refusals, on one rank in this process -------------------------------
+
+
+@pytest.fixture
+def one_rank_apex_ddp(apex_double: ModuleType) -> Iterator[type[torch.nn.Module]]:
+    """The double's apex DistributedDataParallel class, inside a one-rank gloo group of this process."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    from apex.parallel import DistributedDataParallel
+
+    try:
+        yield DistributedDataParallel
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def test_apex_ddp_refuses_shared_param(one_rank_apex_ddp: type[torch.nn.Module]) -> None:
+    with pytest.raises(ValueError, match=r"^shared_param is no longer supported"):
+        one_rank_apex_ddp(torch.nn.Linear(3, 2), shared_param=True)
+
+
+def test_apex_ddp_fails_when_the_forward_skips_the_wrapper(one_rank_apex_ddp: type[torch.nn.Module]) -> None:
+    model = torch.nn.Linear(3, 2)
+    one_rank_apex_ddp(model)
+    with pytest.raises(AttributeError, match="needs_refresh"):
+        model(torch.ones(1, 3)).sum().backward()
+
+
+def test_apex_ddp_fails_when_a_later_backward_leaves_a_bucket_unfilled(
+    one_rank_apex_ddp: type[torch.nn.Module],
+) -> None:
+    ddp = one_rank_apex_ddp(TwoHeads())
+    ddp(torch.ones(1, 3)).sum().backward()  # the first backward builds the buckets from both heads
+    with pytest.raises(RuntimeError, match="buckets were not allreduced"):
+        ddp(torch.ones(1, 3), use_b=False).sum().backward()
+
+
+def test_initialize_lets_a_model_wrapped_in_apex_ddp_through_as_apex_does(apex_double: ModuleType) -> None:
+    # apex 25.05 guards this refusal with `'apex_DDP' in sys.modules`, which is never true.
+    from apex.amp._initialize import check_models
+    from apex.parallel import DistributedDataParallel as ApexDDP
+
+    check_models([ApexDDP.__new__(ApexDDP)])
+
+
+def test_copying_apex_ddp_off_nccl_fails_as_in_apex(one_rank_apex_ddp: type[torch.nn.Module]) -> None:
+    wrapped = one_rank_apex_ddp(torch.nn.Linear(3, 2))
+    with pytest.raises(KeyError, match=r"self\.bucket_streams"):
+        copy.deepcopy(wrapped)

@@ -55,17 +55,20 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
 
 def on_amp_device(tensor: Any) -> bool:
-    """apex's ``tensor.is_cuda``, on the double: CUDA, or the CPU while ``apex.amp.supports_cpu`` is True."""
+    """TEST-DOUBLE ONLY (apex has no such function): stands in for apex's inline ``tensor.is_cuda`` tests (e.g.
+    _initialize.py ``check_params_fp32``, utils.py ``maybe_half``): CUDA, or the CPU while ``supports_cpu`` is True."""
     from apex import amp
 
     return bool(tensor.is_cuda or (amp.supports_cpu and tensor.device.type == "cpu"))
 
 
 def is_amp_half(tensor: torch.Tensor) -> bool:
-    """apex's ``tensor.type() == 'torch.cuda.HalfTensor'``, on the double's device."""
+    """TEST-DOUBLE ONLY: apex's inline ``param.type() == 'torch.cuda.HalfTensor'`` (_process_optimizer.py
+    ``lazy_init_*``, ``new_add_param_group``), on the double's device."""
     return on_amp_device(tensor) and tensor.dtype == torch.float16
 
 
 def is_amp_float(tensor: torch.Tensor) -> bool:
-    """apex's ``tensor.type() == 'torch.cuda.FloatTensor'``, on the double's device."""
+    """TEST-DOUBLE ONLY: apex's inline ``param.type() == 'torch.cuda.FloatTensor'`` (_process_optimizer.py), on the
+    double's device."""
     return on_amp_device(tensor) and tensor.dtype == torch.float32

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ..fp16_utils import convert_network
-from ..parallel import DistributedDataParallel as ApexDDP
 from ._amp_state import _amp_state, on_amp_device, warn_or_err
 from ._process_optimizer import _process_optimizer
 from .handle import disable_casts
@@ -47,13 +46,15 @@ def applier(value: Any, fn: Any) -> Any:
 
 
 def check_models(models: list[Any]) -> None:
-    """_initialize.py ``check_models``: no model may arrive wrapped in a data-parallel wrapper."""
+    """_initialize.py ``check_models``: no model may arrive wrapped in torch's data-parallel wrappers.
+
+    apex's branch for its own wrapper is guarded by ``'apex_DDP' in sys.modules``, an import alias that is never a
+    module name, so apex 25.05 lets a model wrapped in apex DDP through; so does the double.
+    """
     for model in models:
         parallel_type = None
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             parallel_type = "torch.nn.parallel.DistributedDataParallel"
-        if isinstance(model, ApexDDP):
-            parallel_type = "apex.parallel.DistributedDataParallel"
         if isinstance(model, torch.nn.parallel.DataParallel):
             parallel_type = "torch.nn.parallel.DataParallel"
         if parallel_type is not None:
@@ -101,7 +102,8 @@ class O2StateDictHook:
 
 
 def _patch_forward(model: torch.nn.Module, input_caster: Any, output_caster: Any) -> None:
-    """Cast the inputs (when ``input_caster`` is given) and the outputs of ``model.forward``."""
+    """_initialize.py ``_initialize``: its ``patch_forward`` / ``new_fwd`` closures, casting the inputs (when
+    ``input_caster`` is given) and the outputs of ``model.forward``."""
     old_forward = model.forward
 
     def new_forward(*args: Any, **kwargs: Any) -> Any:
@@ -113,7 +115,7 @@ def _patch_forward(model: torch.nn.Module, input_caster: Any, output_caster: Any
 
 
 def _patch_step_without_casts(optimizer: torch.optim.Optimizer) -> None:
-    """O1 steps with casts disabled: the step works on fp32 parameters."""
+    """_initialize.py ``_initialize``: O1's ``patch_step`` / ``new_step``, the step under ``disable_casts``."""
     old_step = optimizer.step
 
     def new_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:

@@ -23,6 +23,7 @@ class AmpOptimizerState:
 
 
 def _type_error(param: torch.Tensor) -> TypeError:
+    """_process_optimizer.py: the TypeError of ``lazy_init_*`` and ``new_add_param_group`` (neither fp16 nor fp32)."""
     return TypeError(
         "Optimizer's parameters must be either torch.cuda.FloatTensor or torch.cuda.HalfTensor. Received"
         f" {param.type()}"
@@ -30,13 +31,16 @@ def _type_error(param: torch.Tensor) -> TypeError:
 
 
 def _master_params_to_model_params(self: torch.optim.Optimizer) -> None:
+    """_process_optimizer.py ``_master_params_to_model_params``, its path without ``multi_tensor_applier``."""
     stash = self._amp_stash
     for fp16_group, fp32_from_fp16_group in zip(stash.fp16_groups, stash.fp32_from_fp16_groups):  # noqa: B905
         master_params_to_model_params(fp16_group, fp32_from_fp16_group)
 
 
 def _split_group_with_master_weights(params: list[torch.Tensor]) -> tuple[list[Any], list[Any], list[Any]]:
-    """Replace each fp16 parameter of ``params`` in place by an fp32 master; returns the fp16 params, their
+    """_process_optimizer.py: the loop of ``lazy_init_with_master_weights`` and ``new_add_param_group``.
+
+    Replace each fp16 parameter of ``params`` in place by an fp32 master; returns the fp16 params, their
     masters, and the fp32 params (their own masters). Parameters that need no gradient are left alone."""
     fp16, fp32_from_fp16, fp32 = [], [], []
     for i, param in enumerate(params):
@@ -111,7 +115,8 @@ def post_backward_models_are_masters(
 
 
 def prepare_backward_with_master_weights(self: torch.optim.Optimizer) -> None:
-    """The fp16 gradients start from None (the masters keep theirs); fp32 params stash theirs."""
+    """_process_optimizer.py ``prepare_backward_with_master_weights``: the fp16 gradients start from None (the
+    masters keep theirs); fp32 params stash theirs."""
     stash = self._amp_stash
     self._amp_lazy_init()
     for param in stash.all_fp16_params:
@@ -122,7 +127,8 @@ def prepare_backward_with_master_weights(self: torch.optim.Optimizer) -> None:
 
 
 def post_backward_with_master_weights(self: torch.optim.Optimizer, scaler: Any) -> None:
-    """Unscale each new fp16 gradient into its master's gradient (a new fp32 tensor, or added to the one there)."""
+    """_process_optimizer.py ``post_backward_with_master_weights``: unscale each new fp16 gradient into its master's
+    gradient (a new fp32 tensor, or added to the one there)."""
     stash = self._amp_stash
     self._amp_lazy_init()
     fp16_grads, new_fp32_grads, fp16_grads_with_stash, preexisting_fp32_grads = [], [], [], []
@@ -144,6 +150,7 @@ def post_backward_with_master_weights(self: torch.optim.Optimizer, scaler: Any) 
 
 
 def lazy_init_no_master_weights(self: torch.optim.Optimizer) -> None:
+    """_process_optimizer.py ``lazy_init_no_master_weights``: the params by type, each with an empty grad stash."""
     stash = self._amp_stash
     stash.all_fp16_params, stash.all_fp32_params = [], []
     for group in self.param_groups:
@@ -159,7 +166,7 @@ def lazy_init_no_master_weights(self: torch.optim.Optimizer) -> None:
 
 
 def prepare_backward_no_master_weights(self: torch.optim.Optimizer) -> None:
-    """Stash every gradient and start the backward from None."""
+    """_process_optimizer.py ``prepare_backward_no_master_weights``: stash every gradient, start from None."""
     stash = self._amp_stash
     self._amp_lazy_init()
     for params, grad_stash in [
@@ -172,6 +179,7 @@ def prepare_backward_no_master_weights(self: torch.optim.Optimizer) -> None:
 
 
 def post_backward_no_master_weights(self: torch.optim.Optimizer, scaler: Any) -> None:
+    """_process_optimizer.py ``post_backward_no_master_weights``: fp16 then fp32 params, as models that are masters."""
     stash = self._amp_stash
     self._amp_lazy_init()
     post_backward_models_are_masters(scaler, stash.all_fp16_params, stash.all_fp16_grad_stash)
@@ -187,6 +195,8 @@ def _amp_lazy_init(self: torch.optim.Optimizer) -> None:
 
 
 def _with_master_weights_step(self: torch.optim.Optimizer, old_step: Any, closure: Any = None) -> Any:
+    """_process_optimizer.py ``_process_optimizer``'s ``new_step`` (master weights): no closure; step, copy the
+    masters into the model, clear the master gradients."""
     if closure is not None:
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
     retval = old_step()
@@ -198,8 +208,8 @@ def _with_master_weights_step(self: torch.optim.Optimizer, old_step: Any, closur
 
 
 def _with_master_weights_zero_grad(self: torch.optim.Optimizer) -> None:
-    """apex's ``new_zero_grad``: no ``set_to_none``; ``detach_()`` fails on a gradient that is a view (DDP's
-    ``gradient_as_bucket_view``), with torch's "Can't detach views in-place"."""
+    """_process_optimizer.py ``_process_optimizer``'s ``new_zero_grad``: no ``set_to_none``; ``detach_()`` fails on
+    a gradient that is a view (DDP's ``gradient_as_bucket_view``), with torch's "Can't detach views in-place"."""
     stash = self._amp_stash
     self._amp_lazy_init()
     for param in [*stash.all_fp16_params, *stash.all_fp32_from_fp32_params]:
@@ -213,7 +223,8 @@ def _with_master_weights_zero_grad(self: torch.optim.Optimizer) -> None:
 def _add_param_group(
     self: torch.optim.Optimizer, old_add_param_group: Any, master_weights: bool, new_group: Any
 ) -> None:
-    """apex's ``new_add_param_group``: lazy init first, then the new group's params join the stash (as masters)."""
+    """_process_optimizer.py ``_process_optimizer``'s ``new_add_param_group``: lazy init first, then the new
+    group's params join the stash (as masters)."""
     stash = self._amp_stash
     if not stash.lazy_init_called:
         self._lazy_init_maybe_master_weights()

@@ -11,6 +11,7 @@ from .handle import AmpHandle
 
 
 def _inplace(names: list[str]) -> list[str]:
+    """utils.py ``as_inplace``: ``exp`` -> ``exp_``."""
     return [name + "_" for name in names]
 
 

@@ -21,16 +21,19 @@ _MARK = "_apex_test_double_replaced"
 
 
 class _BackwardWatch:
+    """TEST-ONLY: whether a ``scale_loss`` block is open, and the gradients counted outside one."""
+
     inside_scale_loss = False
     outside = 0
 
 
 def record(event: str, **fields: Any) -> None:
+    """TEST-ONLY: append one event to :data:`events`."""
     events.append({"event": event, **fields})
 
 
 def watch_backward(models: Iterable[torch.nn.Module]) -> None:
-    """Count every gradient the models' parameters receive while no ``scale_loss`` block is open."""
+    """TEST-ONLY: count every gradient the models' parameters receive while no ``scale_loss`` block is open."""
 
     def count(grad: torch.Tensor) -> torch.Tensor:
         if not _BackwardWatch.inside_scale_loss:
@@ -45,6 +48,7 @@ def watch_backward(models: Iterable[torch.nn.Module]) -> None:
 
 @contextlib.contextmanager
 def inside_scale_loss() -> Iterator[None]:
+    """TEST-ONLY: gradients computed in this block are inside ``scale_loss``."""
     _BackwardWatch.inside_scale_loss = True
     try:
         yield
@@ -53,16 +57,18 @@ def inside_scale_loss() -> Iterator[None]:
 
 
 def backward_outside_scale_loss() -> int:
-    """How many parameter gradients were computed outside ``scale_loss`` since this double was imported."""
+    """TEST-ONLY: how many parameter gradients were computed outside ``scale_loss`` since this double was imported."""
     return _BackwardWatch.outside
 
 
 def mark_replacement(new_fn: Callable[..., Any], mod: Any, name: str, replaced: Any) -> None:
-    """Note on an O1 wrapper what it replaced, and whether ``mod`` held it itself (not through a base class)."""
+    """TEST-ONLY: note on an O1 wrapper what it replaced, and whether ``mod`` held it itself (not through a
+    base class)."""
     setattr(new_fn, _MARK, (replaced, name in vars(mod)))
 
 
 def _is_wrapper(value: Any) -> bool:
+    """TEST-ONLY: whether ``value`` is an O1 wrapper marked by :func:`mark_replacement`."""
     # Only a function can be a wrapper; some of torch's namespaces answer any attribute name.
     return inspect.isfunction(value) and _MARK in vars(value)
 

@@ -121,6 +121,7 @@ OPT_LEVELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _apply_opt_level(properties: Properties, opt_level: str) -> Properties:
+    """frontend.py ``O0``...``O3`` ``__call__``: enable, set ``opt_level``, then the level's properties (checked)."""
     properties.enabled = True
     properties.opt_level = opt_level
     for name, value in OPT_LEVELS[opt_level][1].items():
@@ -129,6 +130,7 @@ def _apply_opt_level(properties: Properties, opt_level: str) -> Properties:
 
 
 def _print_options(properties: Properties) -> None:
+    """frontend.py ``initialize``: its loop printing each option, rank 0 only (``maybe_print(..., True)``)."""
     for name, value in properties.options.items():
         maybe_print(f"{name:22} : {value}", True)
 

@@ -150,6 +150,7 @@ TENSOR = torch.Tensor
 
 
 def _on_tensor(names: list[str]) -> list[str]:
+    """compat.py ``filter_attrs`` on ``torch.Tensor``, as tensor_overrides.py builds its lists."""
     return [name for name in names if hasattr(TENSOR, name)]
 
 

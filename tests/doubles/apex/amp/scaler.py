@@ -15,6 +15,7 @@ from ._amp_state import maybe_print
 
 
 def _overflows(model_grad: torch.Tensor) -> bool:
+    """scaler.py: the test inlined in ``scale_check_overflow_python`` and ``axpby_check_overflow_python``."""
     total = float(model_grad.float().sum())
     return total in (float("inf"), -float("inf")) or total != total
 
@@ -73,9 +74,11 @@ class LossScaler:
         self._has_overflow = False
 
     def loss_scale(self) -> Any:
+        """scaler.py ``LossScaler.loss_scale``."""
         return self._loss_scale
 
     def _warn_if_not_fp32(self, master: torch.Tensor) -> None:
+        """scaler.py: the one-time warning inlined in ``unscale_python`` and ``unscale_with_stashed_python``."""
         if not LossScaler.warned_unscaling_non_fp32_grad and master.dtype != torch.float32:
             maybe_print(
                 f"Attempting to unscale a grad with type {master.type()} Unscaling non-fp32 grads may indicate an"
@@ -84,6 +87,7 @@ class LossScaler:
             LossScaler.warned_unscaling_non_fp32_grad = True
 
     def unscale_python(self, model_grads: Sequence[Any], master_grads: Sequence[Any], scale: float) -> None:
+        """scaler.py ``LossScaler.unscale_python``: ``master = model / scale``, stopping at a (dynamic) overflow."""
         for model, master in zip(model_grads, master_grads):  # noqa: B905  (as apex)
             if model is None:
                 continue
@@ -115,7 +119,8 @@ class LossScaler:
         master_grads: Sequence[torch.Tensor],
         scale_override: tuple[float, float, float] | None = None,
     ) -> None:
-        """scaler.py ``unscale_with_stashed``: ``master = model * out/grads_scale + stashed * out/stashed_scale``."""
+        """scaler.py ``unscale_with_stashed`` with ``unscale_with_stashed_python``:
+        ``master = model * out/grads_scale + stashed * out/stashed_scale``."""
         if self._has_overflow:
             return
         grads_have_scale, stashed_have_scale, out_scale = (
@@ -131,6 +136,7 @@ class LossScaler:
                 break
 
     def clear_overflow_state(self) -> None:
+        """scaler.py ``LossScaler.clear_overflow_state``."""
         self._has_overflow = False
 
     def update_scale(self) -> bool:

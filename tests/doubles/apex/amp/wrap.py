@@ -22,6 +22,7 @@ CastFn = Callable[[Any], Any]
 
 
 def _is_nested(x: Any) -> bool:
+    """utils.py ``is_nested``: a tuple or a list."""
     return isinstance(x, (tuple, list))
 
 
@@ -33,6 +34,7 @@ def is_fp_tensor(x: Any) -> bool:
 
 
 def type_string(x: torch.Tensor) -> str:
+    """utils.py ``type_string``: ``'HalfTensor'``, ``'FloatTensor'``... whatever the device."""
     return x.type().split(".")[-1]
 
 
@@ -44,6 +46,7 @@ def should_cache(x: Any) -> bool:
 
 
 def collect_fp_tensor_types(args: Any, kwargs: dict[str, Any]) -> set[str]:
+    """utils.py ``collect_fp_tensor_types``: the type strings of the floating tensor arguments."""
     types: set[str] = set()
 
     def collect(x: Any) -> None:
@@ -122,6 +125,8 @@ def set_func_save(handle: Any, mod: Any, fn: str, new_fn: Callable[..., Any]) ->
 
 
 def make_cast_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn, handle: Any, try_caching: bool = False) -> Any:
+    """wrap.py ``make_cast_wrapper``: cast the floating arguments (weights through the cache) while active."""
+
     @functools.wraps(orig_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not handle.is_active():
@@ -143,6 +148,8 @@ def cached_cast_function(mod: Any, fn: str, cast_fn: CastFn, handle: Any, try_ca
 
 
 def make_promote_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn) -> Any:
+    """wrap.py ``make_promote_wrapper``: one floating type passes, fp16 with fp32 goes fp32, others raise."""
+
     @functools.wraps(orig_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _amp_state.handle.is_active():

@@ -1,6 +1,6 @@
-"""TEST DOUBLE of ``apex.parallel`` from NVIDIA apex 25.05 (see tests/doubles/README.md): its
-``DistributedDataParallel`` only. apex's ``Reducer``, ``SyncBatchNorm``, ``convert_syncbn_model`` and LARC are not
-modelled."""
+"""TEST DOUBLE of ``apex/parallel/__init__.py`` from NVIDIA apex 25.05 (see tests/doubles/README.md): its
+``ReduceOp`` and ``DistributedDataParallel`` only. apex's ``Reducer``, ``SyncBatchNorm``, ``convert_syncbn_model``
+and LARC are not modelled."""
 
 import torch
 

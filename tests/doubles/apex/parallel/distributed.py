@@ -28,7 +28,8 @@ _BUCKET_TYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def _bucket_type(tensor: torch.Tensor) -> int | None:
-    """Index of the tensor's type in :data:`_BUCKET_TYPES`; None off the amp device (apex: not CUDA)."""
+    """distributed.py ``param_type_to_tmp_i``: index of the tensor's type in :data:`_BUCKET_TYPES`; None off the
+    amp device (apex: not CUDA)."""
     from apex.amp._amp_state import on_amp_device
 
     if on_amp_device(tensor) and tensor.dtype in _BUCKET_TYPES:
@@ -133,10 +134,23 @@ class DistributedDataParallel(Module):
                 param.register_post_accumulate_grad_hook(self._allreduce_hook)
         flat_dist_call([param.data for param in self.module.parameters()], dist.broadcast, (0,))
 
+    def __getstate__(self) -> dict[str, Any] | None:
+        """distributed.py ``DistributedDataParallel.__getstate__``, bug included: apex deletes the keys
+        ``'self.bucket_streams'`` and ``'self.bucket_events'``, which never exist, so copying or pickling the wrapper
+        raises ``KeyError`` off NCCL and yields no state on NCCL."""
+        attrs = dict(self.__dict__)
+        if self._backend != dist.Backend.NCCL:
+            del attrs["self.bucket_streams"]
+            del attrs["self.bucket_events"]
+            return attrs
+        return None
+
     def enable_allreduce(self) -> None:
+        """distributed.py ``DistributedDataParallel.enable_allreduce``."""
         self._disable_allreduce = False
 
     def disable_allreduce(self) -> None:
+        """distributed.py ``DistributedDataParallel.disable_allreduce``."""
         self._disable_allreduce = True
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -184,7 +198,8 @@ class DistributedDataParallel(Module):
             self._comm_ready_buckets(param)
 
     def _record_arrival(self, param: torch.Tensor) -> None:
-        """Build the buckets in the order gradients arrive: one open bucket per type, closed at message_size."""
+        """distributed.py ``allreduce_hook`` (in ``create_hooks``) while ``needs_refresh``: build the buckets in the
+        order gradients arrive: one open bucket per type, closed at message_size."""
         active_i = self.param_id_to_active_i[id(param)]
         current_type = _bucket_type(param)
         if current_type is None:
@@ -197,6 +212,8 @@ class DistributedDataParallel(Module):
             self.tmp_numels[current_type] = 0
 
     def _allreduce_params(self) -> None:
+        """distributed.py ``allreduce_params`` (in ``create_hooks``) and ``allreduce_fallback``: take rank 0's
+        buckets after a refresh, then allreduce every gradient, one flat call per type."""
         if not self.delay_allreduce and self.needs_refresh:
             self._sync_bucket_structure()
             self.needs_refresh = False
@@ -248,6 +265,7 @@ class DistributedDataParallel(Module):
             self.next_bucket += 1
 
     def _overlapping_backward_epilogue(self) -> None:
+        """distributed.py ``overlapping_backward_epilogue`` (in ``create_hooks``): every bucket was allreduced."""
         if self.next_bucket != self.num_buckets:
             raise RuntimeError(
                 f"In epilogue, next_bucket ({self.next_bucket}) != num_buckets ({self.num_buckets}).  ",
