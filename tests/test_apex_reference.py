@@ -1,7 +1,9 @@
 """AmpPrecision against the recipe written by hand, on 2 real ranks (torchrun, gloo, apex through its CPU double).
 
 Each pair trains train_amp.py's two sub-models twice: with ``Trainer(strategy="envddp", precision=...)`` and with
-the classic recipe in plain torch (workers/train_apex_recipe.py, workers/train_native_recipe.py). A pair must end in
+the classic recipe in plain torch (workers/train_apex_recipe.py, workers/train_native_recipe.py). The first sub-model
+holds an affine BatchNorm, which apex O2 keeps fp32: its gradients are the ones only ``optimizer.zero_grad()`` clears
+(both workers fail under O2 if apex found no such fp32 parameter). A pair must end in
 the same state (weights, fp32 master weights, loss scale, skipped steps), and must have really computed in half
 precision: the dtypes it saw say so, and its weights are not the fp32 run's. The apex runs also show the recipe's
 order of calls, from the apex double's event log.
@@ -87,7 +89,7 @@ def apex_o1(torchrun: Torchrun, runs: Path) -> Pair:
 
 @pytest.fixture(scope="module")
 def apex_o2(torchrun: Torchrun, runs: Path) -> Pair:
-    """apex O2 (fp16 model, fp32 master weights) under torch DDP."""
+    """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under torch DDP."""
     return train_pair(
         torchrun,
         runs / "apex-O2",
@@ -109,7 +111,7 @@ def apex_o3(torchrun: Torchrun, runs: Path) -> Pair:
 
 @pytest.fixture(scope="module")
 def apex_o2_apex_ddp(torchrun: Torchrun, runs: Path) -> Pair:
-    """apex O2 under apex.parallel.DistributedDataParallel."""
+    """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under apex.parallel.DistributedDataParallel."""
     return train_pair(
         torchrun,
         runs / "apex-O2-apex-ddp",

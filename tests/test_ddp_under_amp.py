@@ -2,11 +2,13 @@
 
 apex O2's ``optimizer.zero_grad()`` detaches each model gradient in place, which torch refuses on DDP's bucket
 views; O2 / O3 models already have half-precision gradients, which compression hooks cannot compress further.
-The two-rank run that proves the bucket-view default is ``test_apex_reference.py``'s O2 pair under torch DDP.
+The two-rank run that proves the bucket-view default is ``test_apex_reference.py``'s O2 pair under torch DDP; here
+the strategy builds its DDP wrapper inside a one-rank process group of the test's own process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -14,7 +16,9 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import needs_cpu_fp16
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, PrecisionConfigurationError, StrategyConfigurationError
@@ -26,19 +30,39 @@ def trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(**options)
 
 
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo process group of this process alone: DDP's constructor needs one (envddp builds DDP only on ranks)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_built_by(strategy: EnvDDPStrategy) -> DistributedDataParallel:
+    """The wrapper ``configure_ddp`` (the last step of the strategy's ``setup``) builds around a model."""
+    strategy.model = torch.nn.Linear(4, 1)
+    strategy.configure_ddp()
+    assert isinstance(strategy.model, DistributedDataParallel)
+    return strategy.model
+
+
 @pytest.mark.parametrize(("precision", "bucket_view"), [("apex-O1", True), ("apex-O2", False), ("apex-O3", True)])
 def test_gradients_are_bucket_views_unless_apex_keeps_master_weights(
-    apex_double: ModuleType, precision: str, bucket_view: bool
+    apex_double: ModuleType, one_rank_group: None, precision: str, bucket_view: bool
 ) -> None:
     strategy = trainer(strategy="envddp", precision=precision).strategy
     assert isinstance(strategy, EnvDDPStrategy)
     assert strategy.ddp_options.get("gradient_as_bucket_view", False) is bucket_view
+    assert ddp_built_by(strategy).gradient_as_bucket_view is bucket_view
 
 
-def test_native_amp_keeps_bucket_views(no_apex: None) -> None:
+def test_native_amp_keeps_bucket_views(no_apex: None, one_rank_group: None) -> None:
     strategy = trainer(strategy="envddp", precision="amp-O2").strategy
     assert isinstance(strategy, EnvDDPStrategy)
     assert strategy.ddp_options == {"gradient_as_bucket_view": True}
+    assert ddp_built_by(strategy).gradient_as_bucket_view is True
 
 
 def test_bucket_views_asked_for_under_apex_o2_name_both_settings_and_the_fix(apex_double: ModuleType) -> None:
@@ -95,19 +119,34 @@ def test_compression_hooks_are_fine_under_native_o2(no_apex: None) -> None:
     assert strategy._ddp_comm_hook is default_hooks.bf16_compress_hook  # type: ignore[attr-defined]
 
 
+def snapshot(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Copies of the tensors' gradients as they are now (None where there is none)."""
+    return [None if t.grad is None else t.grad.detach().clone() for t in tensors]
+
+
 class ZeroGradSetToNone(L.LightningModule):
-    """Overrides ``optimizer_zero_grad`` as torch code often does: ``zero_grad(set_to_none=...)``."""
+    """Overrides ``optimizer_zero_grad`` as torch code often does: ``zero_grad(set_to_none=...)``.
+
+    Notes, after each ``zero_grad``, the gradients of the model's parameters and of the optimizer's other parameters
+    (apex O2's fp32 masters). The affine BatchNorm stays fp32 under apex O2, beside the fp16 Linear layers.
+    """
 
     def __init__(self, set_to_none: bool) -> None:
         super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
         self.set_to_none = set_to_none
+        self.model_grads: list[list[torch.Tensor | None]] = []
+        self.master_grads: list[list[torch.Tensor | None]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.layer(batch[0]).float().pow(2).mean()
+        return self.net(batch[0]).float().pow(2).mean()
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         optimizer.zero_grad(set_to_none=self.set_to_none)
+        model = {id(p) for p in self.parameters()}
+        masters = (p for group in optimizer.param_groups for p in group["params"] if id(p) not in model)
+        self.model_grads.append(snapshot(self.parameters()))
+        self.master_grads.append(snapshot(masters))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -119,6 +158,7 @@ def fit(model: L.LightningModule, precision: str) -> L.Trainer:
     return t
 
 
+@needs_cpu_fp16
 def test_zero_grad_set_to_none_under_apex_o2_explains_itself(apex_double: ModuleType) -> None:
     with pytest.raises(PrecisionConfigurationError) as raised:
         fit(ZeroGradSetToNone(set_to_none=True), "apex-O2")
@@ -127,10 +167,20 @@ def test_zero_grad_set_to_none_under_apex_o2_explains_itself(apex_double: Module
     assert "Fix: call optimizer.zero_grad()" in message
 
 
+@needs_cpu_fp16
 def test_zero_grad_set_to_none_false_under_apex_o2_zeroes_through_apex(apex_double: ModuleType) -> None:
-    assert fit(ZeroGradSetToNone(set_to_none=False), "apex-O2").global_step == 4
+    model = ZeroGradSetToNone(set_to_none=False)
+    assert fit(model, "apex-O2").global_step == 4
+    assert {p.dtype for p in model.parameters()} == {torch.float16, torch.float32}
+    # apex 25.05's O2 zero_grad: the model's gradients (fp16, and the fp32 BatchNorm's) zeroed in place, the fp32
+    # masters' dropped. The first zero_grad comes before any backward: nothing to zero yet.
+    assert len(model.model_grads) == len(model.master_grads) == 4
+    for model_grads, master_grads in zip(model.model_grads[1:], model.master_grads[1:], strict=True):
+        assert all(grad is not None and not grad.any() for grad in model_grads), model_grads
+        assert master_grads == [None] * 4
 
 
+@needs_cpu_fp16
 def test_zero_grad_set_to_none_under_apex_o1_is_torchs(apex_double: ModuleType) -> None:
     assert fit(ZeroGradSetToNone(set_to_none=True), "apex-O1").global_step == 4
     assert not dist.is_initialized()

@@ -1,5 +1,10 @@
 """Two sub-models and one optimizer, the classic apex recipe, under Trainer(strategy="envddp", precision=...).
 
+model_a holds an affine BatchNorm, which apex O2 keeps in fp32 (``keep_batchnorm_fp32``). So under O2 the optimizer
+steps fp32 model parameters beside the fp32 masters of the fp16 ones; apex stashes their gradients and adds them up
+across ``scale_loss`` calls until ``optimizer.zero_grad()`` zeroes them. Every rank checks that apex found them (its
+``fp32_from_fp32_groups``), and fails otherwise.
+
 Each rank writes OUT/rank<RANK>.json: what the precision plugin did (the apex double's event log when apex is the
 test double), the loss-scaler state right after a resume, the LR scheduler's progress; rank 0 saves the weights, and
 OUT/amp_state.pt with the keys of the hand-written references (train_apex_recipe.py, train_native_recipe.py).
@@ -58,7 +63,7 @@ class TwoModels(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(SEED)
-        self.model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        self.model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh())
         self.model_b = torch.nn.Linear(16, 1)
         self.hidden_dtypes: set[str] = set()
         self.param_dtype = ""
@@ -119,6 +124,13 @@ trainer = L.Trainer(
 model = TwoModels()
 trainer.fit(model, DataLoader(train_set(), batch_size=4, shuffle=True), ckpt_path=args.resume)
 
+plugin = trainer.precision_plugin
+if isinstance(plugin, AmpPrecision) and plugin.backend == "apex" and plugin.opt_level == "O2":
+    # Without fp32 model parameters, apex O2's zero_grad would change nothing that the next backward does not reset.
+    fp32_from_fp32 = trainer.optimizers[0]._amp_stash.fp32_from_fp32_groups
+    if not any(fp32_from_fp32):
+        raise SystemExit(f"rank {os.environ['RANK']}: apex O2 found no fp32 model parameters: {fp32_from_fp32}")
+
 events = apex_events()
 outside = None
 if events:
@@ -148,7 +160,6 @@ if trainer.is_global_zero:
         "param_dtype": model.param_dtype,
         "hidden_dtypes": sorted(model.hidden_dtypes),
     }
-    plugin = trainer.precision_plugin
     if isinstance(plugin, AmpPrecision) and plugin.backend == "apex":
         from apex import amp
 

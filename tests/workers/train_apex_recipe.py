@@ -2,7 +2,8 @@
 
 Plain torch and apex's public API, no Lightning: amp.initialize on both sub-models and the optimizer, then one DDP
 per sub-model, backward inside amp.scale_loss, and the LR schedule held on a step the loss scaler skipped. The
-model, data, loss and schedule are train_amp.py's.
+model, data, loss and schedule are train_amp.py's; under O2 every rank checks, as train_amp.py does, that apex steps
+fp32 model parameters (model_a's BatchNorm), and no rank saves if one found none.
 
 Run under torchrun; rank 0 saves OUT/reference.pt (written atomically: if it exists, it is complete).
 """
@@ -40,7 +41,7 @@ else:
 
 # train_amp.py's TwoModels: the same seed, the same order of construction.
 torch.manual_seed(SEED)
-model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()).to(device)
+model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()).to(device)
 model_b = torch.nn.Linear(16, 1).to(device)
 optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=LR)
 
@@ -87,6 +88,13 @@ for epoch in range(args.epochs):
         else:
             scheduler.step()
         step += 1
+
+if args.opt_level == "O2":
+    # Every rank's count, so that one rank without fp32 model parameters stops rank 0 from saving.
+    counts: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, sum(len(group) for group in optimizer._amp_stash.fp32_from_fp32_groups))
+    if not all(counts):
+        raise SystemExit(f"rank {rank}: apex O2's fp32 model parameters per rank: {counts}")
 
 if rank == 0:
     model = {f"model_a.{k}": v for k, v in model_a.module.state_dict().items()}

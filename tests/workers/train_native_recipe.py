@@ -40,7 +40,7 @@ else:
 
 # train_amp.py's TwoModels: the same seed, the same order of construction.
 torch.manual_seed(SEED)
-model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()).to(device)
+model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()).to(device)
 model_b = torch.nn.Linear(16, 1).to(device)
 optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=LR)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
