@@ -4,10 +4,13 @@ still imports, and the native backend passes its tests."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import CPU_FP16_MISSING
 
 import lightning_ddp_amp
 
@@ -56,7 +59,7 @@ def test_the_native_backend_passes_its_tests_without_the_apex_backend(tmp_path: 
     copy = tmp_path / "native_only"
     package_without_apex_backend(copy)
     env = {**os.environ, "PYTHONPATH": str(copy)}
-    arguments = ["-q", "-p", "no:randomly", "-p", "no:cacheprovider", *NATIVE_TESTS]
+    arguments = ["-q", "-rs", "-p", "no:randomly", "-p", "no:cacheprovider", *NATIVE_TESTS]
     result = subprocess.run(
         [sys.executable, "-c", CHECK_THEN_TEST, str(copy), *arguments],
         cwd=ROOT,
@@ -68,4 +71,10 @@ def test_the_native_backend_passes_its_tests_without_the_apex_backend(tmp_path: 
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     passed = int(summary.split(" passed")[0].split()[-1])
-    assert passed >= 80, summary
+    # A torch before 2.3 skips the tests that compute in float16 on the CPU (conftest.needs_cpu_fp16), saying why.
+    skipped_without_cpu_fp16 = sum(
+        int(count)
+        for count, reason in re.findall(r"^SKIPPED \[(\d+)\] .*?: (.*)$", result.stdout, re.MULTILINE)
+        if reason == CPU_FP16_MISSING
+    )
+    assert passed + skipped_without_cpu_fp16 >= 80, summary

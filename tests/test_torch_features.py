@@ -128,7 +128,9 @@ def test_group_is_bound_to_the_cuda_device_only_where_torch_can(
     assert ("device_id" in recorded_init) == binds
 
 
-def test_cpu_groups_are_never_bound_to_a_device(recorded_init: dict[str, Any]) -> None:
+def test_cpu_groups_are_never_bound_to_a_device(recorded_init: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Even where torch can bind a group to a device (2.3 and later), a CPU group is not bound.
+    monkeypatch.setattr(process_group, "BINDS_DEVICE", True)
     process_group.init_process_group(TWO_RANKS, "gloo", timedelta(seconds=5), torch.device("cpu"))
     assert "device_id" not in recorded_init
 
@@ -144,6 +146,23 @@ def test_what_torch_lacks_for_the_group_is_named(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(process_group, "BINDS_DEVICE", False)
     (gap,) = process_group.torch_gaps()
     assert "init_process_group has no device_id" in gap
+
+
+def test_what_torch_lacks_for_native_amp_is_named(
+    torch_without_cpu_fp16: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
+    scaler, cpu_fp16 = native_amp.torch_gaps()
+    assert "has no torch.amp.GradScaler, so CUDA uses torch.cuda.amp.GradScaler" in scaler
+    assert 'lacks fp16 linear, torch.autocast("cpu", ...), so native float16 AMP runs on CUDA only' in cpu_fp16
+
+
+def test_native_amp_lacks_nothing_on_a_torch_with_cpu_fp16_and_torch_amp_grad_scaler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(native_amp, "cpu_fp16_missing", lambda: ())
+    monkeypatch.setattr(torch.amp, "GradScaler", object, raising=False)  # a stand-in: only its presence is read
+    assert native_amp.torch_gaps() == []
 
 
 def test_a_rank_alone_is_a_peer_error_counting_the_ranks_that_joined() -> None:
