@@ -130,14 +130,18 @@ def test_optimizers_to_device_moves_the_state_an_optimizer_holds() -> None:
 
 #: Lightning broadcasts rank 0's SIGTERM flag at every training step from this release on.
 SIGTERM_BROADCAST_SINCE = Version("2.5.2")
+HAS_SIGTERM_BROADCAST = Version(L.__version__) >= SIGTERM_BROADCAST_SINCE
+needs_sigterm_broadcast = pytest.mark.skipif(
+    not HAS_SIGTERM_BROADCAST,
+    reason=f"Lightning {L.__version__} has no per-step SIGTERM broadcast ({SIGTERM_BROADCAST_SINCE} added it)",
+)
 
 
 def test_the_sigterm_broadcast_exists_exactly_from_the_release_that_added_it() -> None:
-    has_it = hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
-    assert has_it == (Version(L.__version__) >= SIGTERM_BROADCAST_SINCE)
+    assert hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor") == HAS_SIGTERM_BROADCAST
 
 
-@pytest.mark.skipif(Version(L.__version__) < SIGTERM_BROADCAST_SINCE, reason="Lightning has no SIGTERM broadcast")
+@needs_sigterm_broadcast
 def test_the_training_step_broadcasts_sigterm_through_the_method_the_fence_shadows() -> None:
     calls = [
         ast.unparse(node.func)
@@ -148,14 +152,24 @@ def test_the_training_step_broadcasts_sigterm_through_the_method_the_fence_shado
     assert list(inspect.signature(_TrainingEpochLoop._broadcast_sigterm_tensor).parameters) == ["self"]
 
 
+@needs_sigterm_broadcast
 def test_disable_sigterm_broadcast_silences_only_the_given_trainers_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     silenced, other = L.Trainer(accelerator="cpu", logger=False), L.Trainer(accelerator="cpu", logger=False)
     broadcasts: list[Any] = []
     monkeypatch.setattr(torch.distributed, "broadcast", lambda *args, **kwargs: broadcasts.append(args))
     _lightning.disable_sigterm_broadcast(silenced)
-    getattr(silenced.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", lambda: None)()
+    silenced.fit_loop.epoch_loop._broadcast_sigterm_tensor()
     assert broadcasts == []
-    assert "_broadcast_sigterm_tensor" not in vars(other.fit_loop.epoch_loop)
+    other.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert len(broadcasts) == 1
+
+
+@pytest.mark.skipif(HAS_SIGTERM_BROADCAST, reason=f"Lightning {L.__version__} has the per-step SIGTERM broadcast")
+def test_disable_sigterm_broadcast_leaves_a_loop_without_the_broadcast_untouched() -> None:
+    trainer = L.Trainer(accelerator="cpu", logger=False)
+    before = dict(vars(trainer.fit_loop.epoch_loop))
+    _lightning.disable_sigterm_broadcast(trainer)
+    assert vars(trainer.fit_loop.epoch_loop) == before
 
 
 def _quiet_trainer(**kwargs: Any) -> L.Trainer:
@@ -167,6 +181,13 @@ def _quiet_trainer(**kwargs: Any) -> L.Trainer:
         enable_model_summary=False,
         **kwargs,
     )
+
+
+@needs_sigterm_broadcast
+def test_an_envddp_fit_shadows_its_loops_sigterm_broadcast() -> None:
+    trainer = _quiet_trainer(strategy="envddp", max_steps=1, limit_val_batches=0)
+    trainer.fit(BoringModel())
+    assert "_broadcast_sigterm_tensor" in vars(trainer.fit_loop.epoch_loop)
 
 
 class ProgressRecorder(Callback):

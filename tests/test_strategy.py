@@ -168,8 +168,10 @@ def test_strategy_instance_gets_the_same_checks(two_ranks: None) -> None:
 
 
 def test_only_changed_ddp_options_are_passed_on() -> None:
-    strategy = EnvDDPStrategy(static_graph=True, bucket_cap_mb=50, gradient_as_bucket_view=False, init_sync=False)
-    assert strategy.ddp_options == {"static_graph": True, "bucket_cap_mb": 50, "init_sync": False}
+    # dim: an argument every supported torch's DistributedDataParallel takes (init_sync came with torch 2.4), passed
+    # through untouched even at torch's default.
+    strategy = EnvDDPStrategy(static_graph=True, bucket_cap_mb=50, gradient_as_bucket_view=False, dim=0)
+    assert strategy.ddp_options == {"static_graph": True, "bucket_cap_mb": 50, "dim": 0}
 
 
 def test_options_set_to_torchs_own_ddp_defaults_are_not_passed_on() -> None:
@@ -285,6 +287,8 @@ def make_cuda_double(monkeypatch: pytest.MonkeyPatch) -> tuple[EnvDDPStrategy, l
     confine_nccl_error_handling(monkeypatch)
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # The binding torch 2.3 and later make (device_id=...); test_torch_features.py covers a torch without it.
+    monkeypatch.setattr(process_group, "BINDS_DEVICE", True)
 
     def tcp_store(host: str, port: int, world_size: int, **kwargs: Any) -> str:
         calls.append(f"TCPStore({host}:{port}, world_size={world_size}, is_master={kwargs['is_master']})")
