@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -178,14 +180,24 @@ class Torchrun:
 
 
 def start_python(*args: str, env: dict[str, str] | None = None, apex_double: bool = False) -> subprocess.Popen[str]:
-    """``python *args`` in the background, stdout and stderr merged; :func:`finish` collects it."""
+    """``python *args`` in the background, stdout and stderr merged; :func:`finish` collects it.
+
+    The process leads a session of its own, so that :func:`kill` also ends what it started (torchrun's ranks).
+    """
     return subprocess.Popen(
         [sys.executable, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=worker_env(env, apex_double),
+        start_new_session=True,
     )
+
+
+def kill(process: subprocess.Popen[str]) -> None:
+    """SIGKILL ``process`` and every process it started: a rank left behind would hold the output pipe open."""
+    with contextlib.suppress(ProcessLookupError):  # the whole group has ended
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def launcher_variables(rank: int, port: int | str, world_size: int = 2) -> dict[str, str]:
@@ -213,7 +225,7 @@ def finish(process: subprocess.Popen[str], timeout: float) -> subprocess.Complet
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
+        kill(process)
         output, _ = process.communicate()
         pytest.fail(f"{process.args} did not finish within {timeout}s:\n{output[-4000:]}")
     return subprocess.CompletedProcess(process.args, process.returncode, output, None)
@@ -255,3 +267,11 @@ def torchrun() -> Torchrun:
 def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def drop_loader_positions(checkpoint: Path) -> None:
+    """Rewrite ``checkpoint`` as lightning_ddp_amp wrote it in one process before it recorded the training
+    DataLoader's position: without the positions Lightning keeps in its fit loop's entry."""
+    saved = torch.load(checkpoint, weights_only=False)
+    del saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    torch.save(saved, checkpoint)

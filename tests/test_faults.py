@@ -1,12 +1,16 @@
 """Fault injection with real processes and signals: crashes under torchrun restarts, preemption, dead and hanging
-peers, a rank alone, a checkpoint write killed halfway, broken checkpoints (workers/train_faults.py)."""
+peers, a rank alone, a checkpoint write killed halfway, broken checkpoints, a mid-epoch checkpoint resumed under
+another world size (workers/train_faults.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ from conftest import (
     check,
     finish,
     free_port,
+    kill,
     launcher_variables,
     max_abs_difference,
     needs_cpu_fp16,
@@ -45,7 +50,7 @@ def wait_for(path: Path, process: subprocess.Popen[str], timeout: float = 120) -
         if process.poll() is not None:
             pytest.fail(f"the run ended before {path.name} appeared:\n{process.communicate()[0][-4000:]}")
         if time.monotonic() > deadline:
-            process.kill()
+            kill(process)
             pytest.fail(f"{path} did not appear within {timeout}s")
         time.sleep(0.05)
 
@@ -70,11 +75,44 @@ def run_plain(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return finish(start_python(SCRIPT, "--out", str(out), *args), timeout=240)
 
 
-def start_ranks_by_hand(out: Path, *args: str, ranks: tuple[int, ...] = (0, 1)) -> list[subprocess.Popen[str]]:
-    """Start ranks as plain processes with the launcher variables set: no torchrun to supervise them."""
+def start_ranks_by_hand(
+    out: Path, *args: str, ranks: tuple[int, ...] = (0, 1), launcher: str = "torchrun"
+) -> list[subprocess.Popen[str]]:
+    """Start ranks as plain processes with the variables ``launcher`` exports: no agent to supervise them."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    return [start_python(SCRIPT, "--out", str(out), *args, env=launcher_variables(rank, port)) for rank in ranks]
+    variables = launcher_variables if launcher == "torchrun" else functools.partial(task_variables, launcher)
+    return [start_python(SCRIPT, "--out", str(out), *args, env=variables(rank, port)) for rank in ranks]
+
+
+def task_variables(launcher: str, rank: int, port: int) -> dict[str, str]:
+    """What `srun --ntasks=2` or `mpirun -np 2 -x MASTER_PORT` exports to task ``rank`` of a one-node job.
+
+    Each rank is the launcher's own task, so what srun and mpirun report is the rank's own exit status.
+    """
+    if launcher == "srun":
+        return {
+            "SLURM_JOB_ID": "4711",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_COMM_WORLD_NODE_RANK": "0",
+        "MASTER_PORT": str(port),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +195,9 @@ def test_self_launch_without_restarts_exits_with_the_failed_ranks_status(runs: P
     result = run_plain(out, "--kill-rank", "1", "--kill-at-step", "3", "--devices", "2")
     assert result.returncode == 128 + 9, result.stdout[-3000:]  # SIGKILL, as a shell reports it
     assert "exitcode  : -9 (pid:" in result.stdout
+    # A crash, not a preemption: torchrun's whole failure summary, and no claim of a checkpoint.
+    assert f"{SCRIPT} FAILED" in result.stdout
+    assert "preempted" not in result.stdout
 
 
 # --- preemption -----------------------------------------------------------------------------------------------
@@ -174,6 +215,8 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_next_start_resumes(
     first = finish(launcher, timeout=120)
     saved = sorted((out / "checkpoints").glob("preempted-step=*.ckpt"))
     assert len(saved) == 1, first.stdout[-4000:]
+    # The ranks exit 143; torchrun itself dies of its SignalException, which Python reports as 1 (torch's choice).
+    assert first.returncode == 1, first.stdout[-4000:]
     preempted_at = int(saved[0].stem.split("=")[1])
     assert preempted_at >= 5
     second = run(torchrun, out, "--every", "1000", "--auto-resume")
@@ -198,10 +241,77 @@ def test_sigterm_to_one_rank_during_validation_saves_at_an_accumulation_boundary
     assert first.returncode != 0
     # Preempted, not done: 143. (A rank still tearing down when the first one exits may be ended by torchrun.)
     assert "exitcode  : 143" in first.stdout, first.stdout[-4000:]
+    # torchrun itself reports any failed rank as its ChildFailedError, which Python reports as 1 (torch's choice).
+    assert first.returncode == 1
+    assert f"{SCRIPT} FAILED" in first.stdout
     (saved,) = (out / "checkpoints").glob("preempted-step=*.ckpt")
     second = run(torchrun, out, *config)
     assert f"auto_resume continues from {saved}" in second.stdout
     assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
+
+
+def test_a_script_with_its_own_process_group_is_preempted_and_resumes_as_without_it(
+    torchrun: Torchrun, uninterrupted: Path, runs: Path
+) -> None:
+    # The classic script's dist.init_process_group kept before the Trainer: envddp adopts that group.
+    config = ("--script-group", "--every", "1000", "--auto-resume", "--timeout", "30")
+    out = runs / "script-group-preempted"
+    out.mkdir()
+    launcher = torchrun.start(SCRIPT, "--out", str(out), *config, "--step-delay", "0.1")
+    wait_for_step(out, 5, launcher)
+    os.kill(int((out / "pids" / "rank1").read_text()), signal.SIGTERM)  # one rank only, as a scheduler might
+    first = finish(launcher, timeout=120)
+    assert "launched by torchrun, using the process group the script created" in first.stdout, first.stdout[-4000:]
+    assert "exitcode  : 143" in first.stdout, first.stdout[-4000:]
+    (saved,) = (out / "checkpoints").glob("preempted-step=*.ckpt")
+    second = run(torchrun, out, *config)
+    assert f"auto_resume continues from {saved}" in second.stdout
+    assert report(out)["started_at_step"] == int(saved.stem.split("=")[1])
+    assert max_abs_difference(weights(uninterrupted), weights(out)) <= 1e-6
+    # The script ends the group it started: envddp left it alone at exit.
+    assert [(out / f"group-at-exit{rank}").read_text() for rank in (0, 1)] == ["True", "True"]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_under_srun_or_mpirun_every_rank_exits_143_after_a_sigterm_to_one(runs: Path, launcher: str) -> None:
+    out = runs / f"preempted-{launcher}"
+    rank0, rank1 = start_ranks_by_hand(
+        out, "--every", "1000", "--auto-resume", "--step-delay", "0.1", "--timeout", "60", launcher=launcher
+    )
+    wait_for_step(out, 3, rank0)
+    rank1.send_signal(signal.SIGTERM)
+    statuses = [finish(rank, timeout=120) for rank in (rank0, rank1)]
+    # No agent between the launcher and the ranks: the launcher (and its scheduler) sees each rank's own status.
+    assert [rank.returncode for rank in statuses] == [143, 143], statuses[0].stdout[-4000:]
+    assert f"launched by {launcher}" in statuses[0].stdout
+    assert len(list((out / "checkpoints").glob("preempted-step=*.ckpt"))) == 1
+
+
+@pytest.mark.parametrize("signalled", ["agent", "one rank"])
+def test_a_preempted_self_launch_exits_143_and_ends_with_one_line_naming_the_checkpoint(
+    runs: Path, signalled: str
+) -> None:
+    # `python train.py` with devices=2: the process started becomes torchrun's agent. A scheduler signals it, or
+    # only one rank; either way the ranks agree, save and exit 143.
+    out = runs / f"self-launched-preempted-{signalled.replace(' ', '-')}"
+    out.mkdir()
+    agent = start_python(
+        SCRIPT, "--out", str(out), "--devices", "2", "--every", "1000", "--auto-resume", "--step-delay", "0.1"
+    )
+    wait_for_step(out, 3, agent)
+    if signalled == "agent":
+        agent.send_signal(signal.SIGTERM)
+    else:
+        subprocess.run(["kill", "-TERM", (out / "pids" / "rank1").read_text()], check=True)
+    result = finish(agent, timeout=120)
+    assert result.returncode == 143, result.stdout[-4000:]
+    (saved,) = (out / "checkpoints").glob("preempted-step=*.ckpt")
+    assert result.stdout.splitlines()[-1] == (
+        f"envddp: the run was preempted (SIGTERM); rank 0 saved {saved}; start the same command again to resume from it"
+    )
+    # torchrun's failure summary and tracebacks are for crashes.
+    assert "FAILED" not in result.stdout
+    assert "Traceback" not in result.stdout
 
 
 def test_two_training_loaders_resume_mid_epoch_exactly(torchrun: Torchrun, runs: Path) -> None:
@@ -221,14 +331,19 @@ def test_two_training_loaders_resume_mid_epoch_exactly(torchrun: Torchrun, runs:
 # --- peers that are gone, hang or never come ------------------------------------------------------------------
 
 
-def test_a_dead_peer_without_a_supervisor_stops_the_survivor_with_a_clear_error(runs: Path) -> None:
-    rank0, rank1 = start_ranks_by_hand(runs / "dead-peer", "--kill-rank", "1", "--kill-at-step", "5", "--timeout", "30")
-    finish(rank1, timeout=120)
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_a_dead_peer_without_a_supervisor_stops_the_survivor_with_a_clear_error(runs: Path, launcher: str) -> None:
+    rank0, rank1 = start_ranks_by_hand(
+        runs / f"dead-peer-{launcher}", "--kill-rank", "1", "--kill-at-step", "5", "--timeout", "30", launcher=launcher
+    )
+    killed = finish(rank1, timeout=120)
     died = time.monotonic()
     survivor = finish(rank0, timeout=120)
     detected_after = time.monotonic() - died
     print(f"survivor stopped {detected_after:.2f}s after its peer died")
-    assert survivor.returncode != 0
+    # What srun and mpirun see after a crash: each task's own status, the killed one's signal and its peer's error.
+    assert killed.returncode == -signal.SIGKILL
+    assert survivor.returncode == 1
     assert "A peer rank is gone or stopped responding" in survivor.stdout
     assert detected_after < 30, "the survivor waited longer than its timeout"
 
@@ -253,7 +368,7 @@ def test_a_hanging_peer_is_given_up_on_after_the_timeout(runs: Path) -> None:
         survivor = finish(rank1, timeout=120)
         waited = time.monotonic() - hung
     finally:
-        rank0.kill()
+        kill(rank0)
         rank0.communicate()
     print(f"the other rank gave up {waited:.1f}s after its peer hung (timeout 5s)")
     assert survivor.returncode != 0
@@ -266,6 +381,7 @@ def test_under_torchrun_a_late_rank_is_counted_as_missing(torchrun: Torchrun, ru
     out.mkdir()
     result = finish(torchrun.start(SCRIPT, "--out", str(out), "--timeout", "3", "--start-delay", "60"), timeout=120)
     assert result.returncode != 0
+    assert result.returncode == 1  # torchrun's status for any failed rank, a crash as a preemption (torch's choice)
     assert "PeerError: WORLD_SIZE=2: rank 0 waited 3s" in result.stdout
     assert "only 1 of 2 ranks joined" in result.stdout
 
@@ -294,3 +410,44 @@ def test_a_writer_killed_during_a_save_leaves_the_previous_checkpoint_intact(run
     last = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 4  # the save at step 8 never replaced it
     assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+
+
+# --- a mid-epoch checkpoint under another world size ----------------------------------------------------------
+
+
+def trained(out: Path) -> Counter[int]:
+    """How many times each sample was trained, over every rank and every start (``--record``)."""
+    return Counter(int(index) for index in (out / "trained").read_text().split())
+
+
+def test_two_ranks_refuse_a_one_process_mid_epoch_checkpoint_before_training_a_sample(
+    torchrun: Torchrun, runs: Path
+) -> None:
+    out = runs / "one-to-two"
+    # One process, killed after step 2 of its 16-step epoch, just after it saved epoch=0-step=2.ckpt.
+    run_plain(out, "--every", "2", "--record", "--kill-rank", "0", "--kill-at-step", "2")
+    saved = out / "checkpoints" / "epoch=0-step=2.ckpt"
+    before = trained(out)
+    result = torchrun.run(SCRIPT, "--out", str(out), "--every", "2", "--auto-resume", "--record", timeout=240)
+    assert result.returncode != 0
+    assert f"CheckpointError: ckpt_path='{saved}': auto_resume picked it as the newest checkpoint in" in result.stdout
+    assert "(world size 1 then, 2 now; global batch 4 then, 8 now)" in result.stdout, result.stdout[-4000:]
+    assert f"move epoch=0-step=2.ckpt out of {saved.parent}" in result.stdout
+    assert trained(out) == before
+    assert sorted(before.values()) == [1] * 8  # the 4 samples of each of steps 1 and 2, once each
+
+
+def test_one_process_refuses_a_two_rank_mid_epoch_checkpoint_before_training_a_sample(
+    torchrun: Torchrun, runs: Path
+) -> None:
+    out = runs / "two-to-one"
+    out.mkdir()
+    torchrun.run(SCRIPT, "--out", str(out), "--every", "2", "--record", "--kill-rank", "1", "--kill-at-step", "2")
+    saved = out / "checkpoints" / "epoch=0-step=2.ckpt"
+    before = trained(out)
+    result = run_plain(out, "--every", "2", "--auto-resume", "--record")
+    assert result.returncode != 0
+    assert f"CheckpointError: ckpt_path='{saved}': auto_resume picked it as the newest checkpoint in" in result.stdout
+    assert "(world size 2 then, 1 now; global batch 8 then, 4 now)" in result.stdout, result.stdout[-4000:]
+    assert trained(out) == before
+    assert sorted(before.values()) == [1] * 16  # 2 steps of 4 samples on each of the 2 ranks, once each

@@ -10,6 +10,7 @@ import inspect
 import pkgutil
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -17,7 +18,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.data import _replace_dunder_methods
 from lightning.fabric.utilities.types import _Stateful
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops import _TrainingEpochLoop
 from lightning.pytorch.plugins.precision import Precision
@@ -238,6 +239,39 @@ def test_make_stateful_makes_lightning_save_and_restore_the_loader_state() -> No
     assert combined._state_dicts() == [{"batches": 3}]
     combined._load_state_dicts([{"batches": 2}])
     assert restored == [{"batches": 2}]
+
+
+def _checkpoints_of_one_four_batch_epoch(directory: Path, stateful: bool) -> dict[str, dict[str, Any]]:
+    """The checkpoints a fit of one 4-batch epoch saves after batches 2 and 4, and at its end, by name."""
+    loader = DataLoader(torch.randn(16, 32), batch_size=4)
+    if stateful:
+        _lightning.make_stateful(loader, lambda: {"position": "saved"}, lambda state: None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1)],
+    )
+    trainer.fit(BoringModel(), loader)
+    trainer.save_checkpoint(directory / "end.ckpt")
+    return {path.stem: torch.load(path, weights_only=False) for path in directory.glob("*.ckpt")}
+
+
+def test_saved_mid_epoch_tells_a_checkpoint_inside_an_epoch_from_one_at_its_end(tmp_path: Path) -> None:
+    saved = _checkpoints_of_one_four_batch_epoch(tmp_path, stateful=False)
+    mid_epoch = {name: _lightning.saved_mid_epoch(checkpoint) for name, checkpoint in saved.items()}
+    # After the last batch (step 4) the epoch is done, though Lightning has not closed it yet.
+    assert mid_epoch == {"epoch=0-step=2": True, "epoch=0-step=4": False, "end": False}
+
+
+def test_saved_loader_states_reads_the_states_lightning_saved_for_stateful_loaders(tmp_path: Path) -> None:
+    with_states = _checkpoints_of_one_four_batch_epoch(tmp_path / "stateful", stateful=True)
+    without = _checkpoints_of_one_four_batch_epoch(tmp_path / "plain", stateful=False)
+    assert _lightning.saved_loader_states(with_states["epoch=0-step=2"]) == [{"position": "saved"}]
+    assert _lightning.saved_loader_states(without["epoch=0-step=2"]) == []
 
 
 def test_is_loader_state_mismatch_recognises_lightnings_error() -> None:

@@ -197,6 +197,17 @@ def test_resume_continues_from_the_checkpoint(scenarios: list[dict[str, Any]]) -
         assert report["resume"] == {"epochs": [1], "spread": 0.0}
 
 
+def test_a_later_trainer_on_the_same_group_saves_and_stops_together_on_sigterm(
+    scenarios: list[dict[str, Any]],
+) -> None:
+    # Its strategy finds the group an earlier Trainer started, and still sets up the group preemption agrees on.
+    for report in scenarios:
+        preempted = report["later_trainer_preempted"]
+        assert preempted["exit"] == 143
+        assert len(preempted["saved"]) == 1
+        assert preempted["saved"][0].startswith("preempted-step=")
+
+
 def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(torchrun: Torchrun, tmp_path: Path) -> None:
     recipe4 = run_reference(
         torchrun, "train_recipe.py", "--batch-size", "4", out=tmp_path / "recipe4", saves="weights.pt", nproc=4

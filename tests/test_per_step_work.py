@@ -54,7 +54,8 @@ SETUP_ONLY = {
     "environment.read_topology",
     "devices.select_devices",
     "data.shard_dataloader",
-    "data._make_resumable",
+    "data.DataLayout.of",
+    "data._Position.attach",
     "_lightning.rebuild_dataloader",
     "precision.AmpPrecision.amp_modules",
 }

@@ -1,19 +1,23 @@
 """Self-launch decisions that need no ranks: what is re-run, and when a process must not start ranks.
 
-The launch itself runs for real in test_multiprocess.py (equivalence) and test_faults.py (restarts, exit status).
+The launch itself runs for real in test_multiprocess.py (equivalence) and test_faults.py (restarts, exit status,
+the line a preempted run ends with).
 """
 
 from __future__ import annotations
 
 import types
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from lightning_ddp_amp import StrategyConfigurationError, selflaunch
 from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE
+from lightning_ddp_amp.preemption import PREEMPTION, PREEMPTION_REPORT_VARIABLE
 from lightning_ddp_amp.selflaunch import _first_failure
 
 
@@ -90,3 +94,56 @@ def test_within_the_same_second_the_rank_killed_by_a_signal_failed_first() -> No
 
 def test_an_earlier_failure_comes_first_whatever_its_kind() -> None:
     assert _first_failure([failure(0, 1, 99), failure(1, -9, 100)]).local_rank == 0
+
+
+# --- after the ranks: preempted or crashed ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The file a self-launch's agent creates for rank 0's preemption report, exported as the agent does."""
+    path = tmp_path / "report.txt"
+    path.write_text("")
+    monkeypatch.setenv(PREEMPTION_REPORT_VARIABLE, str(path))
+    yield path
+    PREEMPTION.stop()
+
+
+def test_rank_zero_reports_the_checkpoint_it_saved_and_the_next_training_start_forgets_it(report: Path) -> None:
+    PREEMPTION.saved(Path("checkpoints") / "preempted-step=12.ckpt")
+    assert report.read_text() == str(Path("checkpoints") / "preempted-step=12.ckpt")
+    PREEMPTION.start(graceful=True)  # a restarted attempt: the earlier checkpoint is not what it saves
+    assert report.read_text() == ""
+
+
+def test_only_rank_zero_reports(report: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every rank takes part in the save; the file is the agent's, and one writer is enough.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    PREEMPTION.saved(Path("preempted-step=12.ckpt"))
+    assert report.read_text() == ""
+
+
+def test_without_a_self_launch_nothing_is_reported(report: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PREEMPTION_REPORT_VARIABLE)
+    PREEMPTION.saved(Path("preempted-step=12.ckpt"))
+    assert report.read_text() == ""
+
+
+@pytest.mark.parametrize("exitcodes", [[143, 143], [143, -15], [-15]], ids=["both-143", "peer-stopped", "signalled"])
+def test_ranks_that_saved_and_exited_on_sigterm_were_preempted(report: Path, exitcodes: list[int]) -> None:
+    report.write_text("checkpoints/preempted-step=12.ckpt")
+    failures = [failure(rank, code, 100) for rank, code in enumerate(exitcodes)]
+    assert selflaunch.preempted_checkpoint(str(report), failures) == "checkpoints/preempted-step=12.ckpt"
+
+
+@pytest.mark.parametrize("exitcodes", [[143, 1], [-9, 143]], ids=["exit-1", "sigkill"])
+def test_any_other_failure_is_a_crash_even_after_a_preemption_save(report: Path, exitcodes: list[int]) -> None:
+    report.write_text("checkpoints/preempted-step=12.ckpt")
+    failures = [failure(rank, code, 100) for rank, code in enumerate(exitcodes)]
+    assert selflaunch.preempted_checkpoint(str(report), failures) is None
+
+
+def test_a_sigterm_without_a_saved_checkpoint_is_not_a_preemption(report: Path) -> None:
+    # auto_resume=False, or SIGTERM outside the training loop: the ranks die of it and save nothing.
+    assert selflaunch.preempted_checkpoint(str(report), [failure(0, -15, 100), failure(1, 143, 100)]) is None

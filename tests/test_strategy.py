@@ -6,6 +6,7 @@ import inspect
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -13,15 +14,23 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import worker_env
+from conftest import free_port, worker_env
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_amp import EnvDDPStrategy, StrategyConfigurationError, TopologyMismatchError, selflaunch
+from lightning_ddp_amp import (
+    EnvDDPStrategy,
+    StrategyConfigurationError,
+    TopologyMismatchError,
+    process_group,
+    selflaunch,
+)
 from lightning_ddp_amp.ddp_options import DEVIATIONS
+from lightning_ddp_amp.environment import Topology
 
 TWO_RANKS = {
     "RANK": "1",
@@ -370,6 +379,119 @@ def test_backend_can_be_overridden(cuda_double: tuple[EnvDDPStrategy, list[str]]
     strategy = EnvDDPStrategy(accelerator=RecordingCUDAAccelerator(calls), process_group_backend="gloo")
     strategy.setup_environment()
     assert calls[-1].startswith("init_process_group(gloo,")
+
+
+# --- a process group the script started itself -----------------------------------------------------------------
+
+
+@pytest.fixture
+def script_group(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A one-rank group started as a classic script starts it, before the Trainer (``indirect`` param: the backend);
+    ended after the test."""
+    dist.init_process_group(getattr(request, "param", "gloo"), store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    yield group
+    dist.destroy_process_group()
+
+
+THE_SCRIPTS_GROUP = r"the process group the script started \(its dist\.init_process_group\)"
+DELETE_THE_LINE = (
+    r"delete the script's dist\.init_process_group\(\.\.\.\) line \(envddp starts the group from the launcher's"
+    r" variables\)"
+)
+
+
+def test_a_script_group_that_numbers_the_rank_otherwise_is_an_error(two_ranks: None, script_group: Any) -> None:
+    strategy = trainer(strategy=EnvDDPStrategy()).strategy
+    with pytest.raises(
+        TopologyMismatchError,
+        match=rf"^rank=0: {THE_SCRIPTS_GROUP} numbers this process 0, but it is rank 1 of 2, launched by environment\."
+        rf" Fix: {DELETE_THE_LINE}$",
+    ):
+        strategy.setup_environment()
+    assert dist.group.WORLD is script_group
+
+
+def test_a_script_group_of_another_size_is_an_error(
+    two_ranks: None, script_group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    strategy = trainer(strategy=EnvDDPStrategy()).strategy
+    with pytest.raises(
+        TopologyMismatchError,
+        match=rf"^world_size=1: {THE_SCRIPTS_GROUP} has 1 rank\(s\), but the job has 2, launched by environment\. Fix: {DELETE_THE_LINE}$",
+    ):
+        strategy.setup_environment()
+
+
+def test_a_script_group_on_another_backend_than_the_one_given_is_an_error(script_group: Any) -> None:
+    strategy = trainer(strategy=EnvDDPStrategy(process_group_backend="nccl")).strategy
+    with pytest.raises(
+        StrategyConfigurationError,
+        match=rf"^process_group_backend='nccl': {THE_SCRIPTS_GROUP} runs gloo for cpu tensors\. Fix: pass"
+        rf" process_group_backend='gloo' to train on the script's group, or {DELETE_THE_LINE}$",
+    ):
+        strategy.setup_environment()
+
+
+@pytest.mark.parametrize("script_group", ["cuda:gloo"], indirect=True)
+def test_a_script_group_without_a_backend_for_the_device_is_an_error(script_group: Any) -> None:
+    strategy = trainer(strategy=EnvDDPStrategy()).strategy
+    with pytest.raises(
+        StrategyConfigurationError,
+        match=rf"^backend='cuda:gloo': {THE_SCRIPTS_GROUP} has no backend for cpu tensors, where envddp would use"
+        rf" gloo\. Fix: {DELETE_THE_LINE}, or start it with backend='gloo'$",
+    ):
+        strategy.setup_environment()
+
+
+@pytest.mark.parametrize("script_group", ["cuda:gloo"], indirect=True)
+def test_a_given_backend_the_script_group_lacks_for_the_device_is_an_error(script_group: Any) -> None:
+    strategy = trainer(strategy=EnvDDPStrategy(process_group_backend="gloo")).strategy
+    with pytest.raises(
+        StrategyConfigurationError,
+        match=rf"^process_group_backend='gloo': {THE_SCRIPTS_GROUP} has no backend for cpu tensors\."
+        rf" Fix: {DELETE_THE_LINE}$",
+    ):
+        strategy.setup_environment()
+
+
+def test_a_script_group_on_another_backend_than_envddps_choice_is_an_error(script_group: Any) -> None:
+    # On CUDA envddp would start NCCL; the script's group runs gloo for CUDA tensors too.
+    with pytest.raises(
+        StrategyConfigurationError,
+        match=rf"^backend='cpu:gloo,cuda:gloo': {THE_SCRIPTS_GROUP} runs gloo for cuda tensors, where envddp would"
+        rf" use nccl\. Fix: {DELETE_THE_LINE}; or, to train on gloo, pass"
+        rf" EnvDDPStrategy\(process_group_backend='gloo'\)$",
+    ):
+        process_group.check_script_group(Topology(), "nccl", torch.device("cuda", 0), backend_given=False)
+
+
+@pytest.mark.parametrize("backend", [None, "gloo"])
+def test_a_script_group_that_matches_is_trained_on_and_left_to_the_script(
+    script_group: Any, backend: str | None
+) -> None:
+    model = BoringModel()
+    fit = trainer(strategy=EnvDDPStrategy(process_group_backend=backend), max_steps=1, enable_checkpointing=False)
+    fit.fit(model)
+    assert fit.global_step == 1
+    assert dist.group.WORLD is script_group
+
+
+def test_only_a_group_envddp_did_not_start_counts_as_the_scripts() -> None:
+    alone = Topology(world_size=1, master_addr="127.0.0.1", master_port=free_port(), launcher="torchrun")
+    process_group.init_process_group(alone, "gloo", timedelta(seconds=30), torch.device("cpu"))
+    try:
+        assert not process_group.started_by_script()
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert process_group.started_by_script()
+    finally:
+        dist.destroy_process_group()
+    assert not process_group.started_by_script()
 
 
 @pytest.mark.parametrize("enabled", [True, False])

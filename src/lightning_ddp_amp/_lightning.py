@@ -223,6 +223,28 @@ def make_stateful(
     loader.load_state_dict = load_state_dict
 
 
+def saved_mid_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether ``checkpoint`` was saved after some, but not all, training batches of its epoch had finished.
+
+    Why: only the fit loop's progress counters, in Lightning's undocumented ``"loops"`` entry, tell.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    batches = fit_loop.get("epoch_loop.batch_progress", {})
+    epoch = fit_loop.get("epoch_progress", {}).get("current", {})
+    trained = int(batches.get("current", {}).get("processed", 0))
+    epoch_open = int(epoch.get("processed", 0)) < int(epoch.get("started", 0))
+    return trained > 0 and epoch_open and not batches.get("is_last_batch", False)
+
+
+def saved_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    """The states of the training DataLoaders that ``checkpoint`` holds (see :func:`make_stateful`), in order.
+
+    Why: Lightning keeps them in its fit loop's entry of the undocumented ``"loops"`` format.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    return list(fit_loop.get("state_dict", {}).get("combined_loader", []))
+
+
 def is_loader_state_mismatch(exception: BaseException) -> bool:
     """Whether ``exception`` is Lightning's refusal of a checkpoint that holds more DataLoader states than the run.
 

@@ -32,7 +32,8 @@ class LauncherEnvironmentError(LightningDDPAmpError, ValueError):
 
 
 class TopologyMismatchError(LightningDDPAmpError, ValueError):
-    """A Trainer argument (``devices``, ``num_nodes``) contradicts the topology the launcher set up."""
+    """A Trainer argument (``devices``, ``num_nodes``), or the process group the script started itself, contradicts
+    the topology the launcher set up."""
 
 
 class StrategyConfigurationError(LightningDDPAmpError, ValueError):

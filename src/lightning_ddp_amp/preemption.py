@@ -6,7 +6,9 @@ nothing from Lightning: ``lightning_ddp_amp.pytorch_lightning`` shares it instea
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -15,6 +17,10 @@ import torch.distributed as dist
 
 #: The exit status of a run stopped by SIGTERM.
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+#: Set by a self-launch's agent for its ranks (:mod:`lightning_ddp_amp.selflaunch`): a file it created, where rank 0
+#: writes the path of the checkpoint it saved on preemption, so the agent's last line can name it.
+PREEMPTION_REPORT_VARIABLE = "LIGHTNING_DDP_AMP_PREEMPTION_REPORT"
 
 
 class Preemption:
@@ -43,6 +49,7 @@ class Preemption:
         self.requested = False
         self._group = group
         self._question = None
+        self._report("")  # an earlier attempt's checkpoint (torchrun restarted the ranks) is not this one's
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm if graceful else signal.SIG_DFL)
 
     def stop(self) -> None:
@@ -53,6 +60,18 @@ class Preemption:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
         self._previous = None
+
+    def saved(self, checkpoint: Path) -> None:
+        """Every rank, once the ranks agreed and saved ``checkpoint``: rank 0 tells a self-launch's agent about it.
+
+        Under any other launcher (no :data:`PREEMPTION_REPORT_VARIABLE`) there is no one to tell, and nothing is done.
+        """
+        self._report(str(checkpoint))
+
+    def _report(self, text: str) -> None:
+        report = os.environ.get(PREEMPTION_REPORT_VARIABLE)
+        if report and (not dist.is_initialized() or dist.get_rank() == 0):
+            Path(report).write_text(text)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: a signal handler must not start collectives, which could interleave with training's.

@@ -1,5 +1,8 @@
 """Starting and ending the process group, and explaining how it fails.
 
+A group the script started itself (a classic script's ``dist.init_process_group``, kept before the Trainer) is used
+instead, once :func:`check_script_group` finds it is the group envddp would start; the script ends it, as it started it.
+
 The group is started on a store of its own attempt: under ``torchrun --max-restarts``, a restarted group that met
 on the launcher's store could read the addresses the previous attempt left there and fail to connect. Keys are
 therefore namespaced by ``TORCHELASTIC_RESTART_COUNT`` (a ``PrefixStore`` over the launcher's ``TCPStore``).
@@ -16,6 +19,7 @@ import re
 import signal
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddp_amp.environment import Topology
-from lightning_ddp_amp.errors import PeerError
+from lightning_ddp_amp.errors import PeerError, StrategyConfigurationError, TopologyMismatchError
 
 # What gloo and NCCL say when a peer process is gone.
 _PEER_GONE = re.compile(
@@ -47,6 +51,12 @@ _NetworkError: type[Exception] = getattr(dist, "DistNetworkError", TimeoutError)
 #: that is still freeing the last collective's tensors needs the GIL to drop their Python objects, so the finished
 #: process hangs at exit (seen on torch 2.1 with gloo, about one exit in three after a collective just before exit).
 _WORKERS_LET_GO_S = 0.1
+# The default group init_process_group started; any other default group was started by the script. Held weakly: its
+# teardown at exit must not wait for this module's.
+_started: weakref.ReferenceType[Any] | None = None
+_DELETE_THE_LINE = (
+    "delete the script's dist.init_process_group(...) line (envddp starts the group from the launcher's variables)"
+)
 
 
 def torch_gaps() -> list[str]:
@@ -90,6 +100,67 @@ def init_process_group(topology: Topology, backend: str, timeout: timedelta, dev
         )
     except (_StoreError, _NetworkError, dist.DistBackendError) as error:
         raise _missing_peers(topology, timeout, error, _joined(store, attempt)) from error
+    global _started
+    _started = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
+
+
+def started_by_script() -> bool:
+    """Whether a default process group exists that :func:`init_process_group` did not start: the script's own."""
+    return dist.is_initialized() and (_started is None or dist.group.WORLD is not _started())
+
+
+def check_script_group(topology: Topology, backend: str, device: torch.device, backend_given: bool) -> None:
+    """Check that the group the script started is the one envddp would start: same rank, world size and backend.
+
+    Args:
+        topology: What the launcher started.
+        backend: The backend envddp would start the group with.
+        device: The device the rank trains on; the group's backend for its tensors is the one compared.
+        backend_given: ``backend`` is the user's ``process_group_backend``, not envddp's choice for the device.
+
+    Raises:
+        TopologyMismatchError: The group's rank or world size is not the launcher's.
+        StrategyConfigurationError: The group runs another backend for the device's tensors, or none.
+    """
+    group = "the process group the script started (its dist.init_process_group)"
+    launched = f"launched by {topology.launcher}" if topology.launcher != "none" else "started without a launcher"
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank != topology.rank:
+        raise TopologyMismatchError(
+            "rank",
+            rank,
+            f"{group} numbers this process {rank}, but it is rank {topology.rank} of {topology.world_size}, {launched}",
+            _DELETE_THE_LINE,
+        )
+    if world_size != topology.world_size:
+        raise TopologyMismatchError(
+            "world_size",
+            world_size,
+            f"{group} has {world_size} rank(s), but the job has {topology.world_size}, {launched}",
+            _DELETE_THE_LINE,
+        )
+    config = dist.get_backend_config()  # one backend per device type: "cpu:gloo,cuda:nccl"
+    runs = dict(part.partition(":")[::2] for part in config.split(",")).get(device.type)
+    if runs == backend:
+        return
+    runs_what = f"runs {runs} for {device.type} tensors" if runs else f"has no backend for {device.type} tensors"
+    if backend_given:
+        raise StrategyConfigurationError(
+            "process_group_backend",
+            backend,
+            f"{group} {runs_what}",
+            f"pass process_group_backend={runs!r} to train on the script's group, or {_DELETE_THE_LINE}"
+            if runs
+            else _DELETE_THE_LINE,
+        )
+    raise StrategyConfigurationError(
+        "backend",
+        config,
+        f"{group} {runs_what}, where envddp would use {backend}",
+        f"{_DELETE_THE_LINE}; or, to train on {runs}, pass EnvDDPStrategy(process_group_backend={runs!r})"
+        if runs
+        else f"{_DELETE_THE_LINE}, or start it with backend={backend!r}",
+    )
 
 
 def _joined(store: Any, attempt: str) -> int | None:

@@ -8,6 +8,10 @@
   a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
   status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
 
+A checkpoint saved mid-epoch continues only under the data layout it was saved in (see
+:mod:`lightning_ddp_amp.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words the
+error: which file (and that ``auto_resume`` picked it), why, and the ways on.
+
 :class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
 (:data:`lightning_ddp_amp.preemption.PREEMPTION`).
 """
@@ -20,6 +24,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +97,54 @@ def unreadable_checkpoint(path: Any, error: Exception) -> CheckpointError:
         "delete it (the run resumes from the previous checkpoint) or resume from another file; start without"
         " ckpt_path only if a fresh start is what you want",
     )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a fit continues from, as far as the position of its training data goes.
+
+    Args:
+        path: The checkpoint file.
+        mid_epoch: It was saved after some, but not all, training batches of its epoch had finished.
+        loader_states: How many training DataLoader positions it holds (Lightning saves those of resumable
+            DataLoaders: envddp's since it records their layout, sharded ones before that, none from other runs).
+        auto_resumed: ``auto_resume`` picked it as the newest checkpoint of its directory.
+    """
+
+    path: str
+    mid_epoch: bool
+    loader_states: int
+    auto_resumed: bool = False
+
+    @classmethod
+    def read(cls, checkpoint: dict[str, Any], path: Any, auto_resumed: bool) -> ResumePoint:
+        """Where the loaded ``checkpoint`` (from ``path``) stands in its epoch."""
+        return cls(
+            str(path),
+            _lightning.saved_mid_epoch(checkpoint),
+            len(_lightning.saved_loader_states(checkpoint)),
+            auto_resumed,
+        )
+
+    def refuse(self, problem: str, continue_exactly: str) -> CheckpointError:
+        """The error that stops a fit from continuing from this checkpoint, and the ways on.
+
+        Args:
+            problem: Why the samples the checkpoint had trained cannot be told apart in this run.
+            continue_exactly: What continues it exactly, e.g. ``"relaunch with that run's layout (world size 1)"``.
+        """
+        if self.auto_resumed:
+            directory = Path(self.path).parent
+            problem = f"auto_resume picked it as the newest checkpoint in {directory}, but {problem}"
+            elsewhere = (
+                f"move {Path(self.path).name} out of {directory} (the next start resumes from the newest checkpoint"
+                " left there), or pass trainer.fit(ckpt_path=...) a checkpoint saved at the end of an epoch"
+            )
+        else:
+            elsewhere = "pass trainer.fit(ckpt_path=...) a checkpoint saved at the end of an epoch"
+        return CheckpointError(
+            "ckpt_path", self.path, problem, f"{continue_exactly} to continue exactly; or {elsewhere}"
+        )
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -223,6 +276,7 @@ class AutoResume:
         if batch_idx % trainer.accumulate_grad_batches == 0 and PREEMPTION.agreed():
             path = checkpoint_dirs(trainer)[0] / f"preempted-step={trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)  # rank 0 writes; every rank takes part
+            PREEMPTION.saved(path)
             rank_zero_info(f"envddp: SIGTERM received; saved {path}, the next start resumes from it")
             raise SIGTERMException(PREEMPTED_EXIT_CODE)
 

@@ -12,7 +12,9 @@ work) after it, or in the LightningModule's hooks. This module imports nothing f
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterable, Sequence
 from types import ModuleType
@@ -20,6 +22,7 @@ from typing import Any, NoReturn
 
 from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE, other_launcher
 from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_REPORT_VARIABLE
 
 
 def script_command(main: ModuleType | None = None, argv: Sequence[str] | None = None) -> list[str]:
@@ -94,29 +97,68 @@ def plan(nproc: int, max_restarts: int) -> list[str]:
 def launch(arguments: Sequence[str]) -> NoReturn:
     """Run torchrun with ``arguments`` (from :func:`plan`) in this process, then exit with the ranks' status.
 
-    Exits 0 when every rank finished; with the exit status of the first rank that failed (128 + the signal number
-    for a rank killed by a signal, as a shell reports it), after torchrun's summary of the failure; with 128 + the
-    signal number when this process is signalled (torchrun has then stopped the ranks); with 1 when torchrun
-    itself fails. It never returns, so no code after the Trainer runs in this process.
+    Exits 0 when every rank finished; 143 after a preemption (the ranks saved a checkpoint on SIGTERM), with one
+    line naming the checkpoint instead of torchrun's failure summary; with the exit status of the first rank that
+    failed (128 + the signal number for a rank killed by a signal, as a shell reports it), after torchrun's summary
+    of the failure; with 128 + the signal number when this process is signalled (torchrun has then stopped the
+    ranks, which save a checkpoint on the way out with ``auto_resume``: the same one line names it); with 1 when
+    torchrun itself fails. It never returns, so no code after the Trainer runs in this process.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     os.environ[SELF_LAUNCH_VARIABLE] = "1"
+    # Where rank 0 writes the checkpoint it saved on preemption (Preemption.saved): only the ranks know its path.
+    handle, report = tempfile.mkstemp(prefix="envddp-preemption-", suffix=".txt")
+    os.close(handle)
+    os.environ[PREEMPTION_REPORT_VARIABLE] = report
     try:
         torchrun(list(arguments))
     except ChildFailedError as error:
+        saved = preempted_checkpoint(report, error.failures.values())
+        if saved is not None:
+            _say_preempted("SIGTERM", saved)
+            raise SystemExit(PREEMPTED_EXIT_CODE) from None
         failure = _first_failure(error.failures.values())
         print(str(error), file=sys.stderr)
         status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         raise SystemExit(status or 1) from None
     except SignalException as error:
+        saved = preempted_checkpoint(report, [])
+        if saved is not None:
+            _say_preempted(signal.Signals(error.sigval).name, saved)
         raise SystemExit(128 + int(error.sigval)) from None
     except Exception:
         traceback.print_exc()
         raise SystemExit(1) from None
+    finally:
+        os.remove(report)
     raise SystemExit(0)
+
+
+def preempted_checkpoint(report: str, failures: Iterable[Any]) -> str | None:
+    """The checkpoint the ranks saved when they were preempted, or None when they were not: a crash.
+
+    Args:
+        report: The file rank 0 writes the checkpoint's path to (:meth:`Preemption.saved
+            <lightning_ddp_amp.preemption.Preemption.saved>`), emptied when training starts.
+        failures: torchrun's records of the ranks that failed. A preempted rank exits 143; a peer that torchrun
+            stopped once the first rank had exited dies of its SIGTERM. Any other status is a crash, even after a
+            save, and keeps torchrun's full report.
+    """
+    with open(report) as file:
+        saved = file.read()
+    preempted = all(failure.exitcode in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for failure in failures)
+    return saved if saved and preempted else None
+
+
+def _say_preempted(signal_name: str, checkpoint: str) -> None:
+    print(
+        f"envddp: the run was preempted ({signal_name}); rank 0 saved {checkpoint}; start the same command again to"
+        " resume from it",
+        file=sys.stderr,
+    )
 
 
 def _first_failure(failures: Iterable[Any]) -> Any:

@@ -45,18 +45,31 @@ from typing_extensions import override
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp import selflaunch
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
-from lightning_ddp_amp.data import explain_loader_state_mismatch, shard_dataloader, warn_unshuffled_training_shards
+from lightning_ddp_amp.data import (
+    check_resumed_positions,
+    explain_loader_state_mismatch,
+    shard_dataloader,
+    warn_unshuffled_training_shards,
+)
 from lightning_ddp_amp.ddp_options import DDPOptions
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.process_group import (
+    check_script_group,
     destroy_process_group,
     explain_peer_failure,
     init_process_group,
+    started_by_script,
     torch_gaps,
 )
-from lightning_ddp_amp.resume import AtomicCheckpointIO, AutoResume, check_checkpoint, unreadable_checkpoint
+from lightning_ddp_amp.resume import (
+    AtomicCheckpointIO,
+    AutoResume,
+    ResumePoint,
+    check_checkpoint,
+    unreadable_checkpoint,
+)
 
 #: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
 COMM_HOOKS: dict[str, Callable[..., Any]] = {
@@ -73,7 +86,9 @@ class EnvDDPStrategy(DDPStrategy):
     variables the same script trains as one process on the default device, with no process group, unless the
     Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then the
     strategy starts the N ranks itself through torchrun, re-running the script with the same arguments
-    (:mod:`lightning_ddp_amp.selflaunch`).
+    (:mod:`lightning_ddp_amp.selflaunch`). A process group the script started itself (a classic script's
+    ``dist.init_process_group`` before the Trainer) is trained on once its rank, world size and backend are found to
+    be the launcher's and envddp's; the script ends it, as it started it.
 
     Args:
         accelerator: The accelerator; normally chosen by the Trainer.
@@ -89,7 +104,7 @@ class EnvDDPStrategy(DDPStrategy):
         precision_plugin: The precision plugin; normally chosen by the Trainer.
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on CUDA, gloo on CPU.
         timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
-            A ``timedelta`` or seconds.
+            A ``timedelta`` or seconds. A process group the script started keeps the timeout the script gave it.
         find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
             the default, which is torch's except where :data:`~lightning_ddp_amp.ddp_options.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
@@ -118,7 +133,10 @@ class EnvDDPStrategy(DDPStrategy):
         LauncherEnvironmentError: A launcher variable, or a value the cluster environment reports, is missing,
             malformed or out of range (when the Trainer is built: a ClusterEnvironment plugin may still replace the
             launcher's variables).
-        StrategyConfigurationError: An argument is invalid.
+        StrategyConfigurationError: An argument is invalid, or the process group the script started runs another
+            backend than ``process_group_backend`` (default: envddp's choice for the device).
+        TopologyMismatchError: The process group the script started has another rank or world size than the
+            launcher's (when the process group is set up).
     """
 
     strategy_name = "envddp"
@@ -187,6 +205,9 @@ class EnvDDPStrategy(DDPStrategy):
         self._shard_dataloaders: bool | None = None
         self._requested: list[torch.device] | None = None
         self._resume = AutoResume(auto_resume)
+        self._group_ready = False  # setup_distributed has run for this strategy
+        # The checkpoint the current fit continues from, until its training DataLoaders have their positions.
+        self._resuming: ResumePoint | None = None
         if accelerator is not None:
             # Built with its accelerator, the strategy may run without a Trainer, so it reads the launcher now; a
             # Trainer's ClusterEnvironment plugin then meets Lightning's "set through both strategy and plugins".
@@ -469,20 +490,39 @@ class EnvDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        if not self._topology.is_distributed or dist.is_initialized():
-            return
+        if self._group_ready:
+            return  # an earlier fit, validate or test with this strategy set it up
+        script_group = started_by_script()
+        if not script_group and not self._topology.is_distributed:
+            return  # one process
+        backend_given = self._process_group_backend is not None
         self._process_group_backend = self._get_process_group_backend()
+        if script_group:
+            # A classic script's dist.init_process_group, kept before the Trainer: trained on if it is the group
+            # envddp would start, and everything below is done on it as on envddp's own.
+            check_script_group(self._topology, self._process_group_backend, self.root_device, backend_given)
+            if not self._topology.is_distributed:
+                return
         self._check_comm_hook(self._process_group_backend)
-        init_process_group(self._topology, self._process_group_backend, self.timeout, self.root_device)
-        atexit.register(destroy_process_group)
+        if script_group:
+            how = ", using the process group the script created"
+        elif dist.is_initialized():
+            # An earlier Trainer in this process started it; this strategy still needs its own preemption group.
+            how = ", using the process group an earlier Trainer started"
+        else:
+            init_process_group(self._topology, self._process_group_backend, self.timeout, self.root_device)
+            # Only the group started here is ended here: the script ends its own, perhaps in an atexit handler of
+            # its own that would fail on a group already gone (torch 2.1's exit hang is its script's, as before).
+            atexit.register(destroy_process_group)
+            # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
+            how = "".join(f"; {gap}" for gap in (torch_gaps() if self.root_device.type == "cuda" else []))
         self._resume.setup_distributed()
         rank_zero_info(
             f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
-            f" backend {self._process_group_backend}, launched by {self._topology.launcher}"
-            # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
-            + "".join(f"; {gap}" for gap in (torch_gaps() if self.root_device.type == "cuda" else []))
+            f" backend {self._process_group_backend}, launched by {self._topology.launcher}{how}"
         )
         self.barrier("envddp: process group ready")
+        self._group_ready = True
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -542,6 +582,9 @@ class EnvDDPStrategy(DDPStrategy):
         super().on_train_start()
         assert self.lightning_module is not None
         self._resume.on_train_start(self.lightning_module.trainer)
+        # Before the first batch: a mid-epoch position the training DataLoaders did not get is refused.
+        resuming, self._resuming = self._resuming, None
+        check_resumed_positions(self.lightning_module.trainer.train_dataloader, resuming)
         # The recipe's DistributedSampler shuffled; a training DataLoader left at shuffle=False does not.
         warn_unshuffled_training_shards(self.lightning_module.trainer.train_dataloader)
 
@@ -568,6 +611,8 @@ class EnvDDPStrategy(DDPStrategy):
         except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
             raise unreadable_checkpoint(checkpoint_path, error) from error
         check_checkpoint(checkpoint, checkpoint_path)
+        auto_resumed = self.resumed_from is not None and Path(checkpoint_path) == self.resumed_from
+        self._resuming = ResumePoint.read(checkpoint, checkpoint_path, auto_resumed)
         return checkpoint
 
     @override
@@ -575,6 +620,7 @@ class EnvDDPStrategy(DDPStrategy):
         if self._ddp.apex_class is not None and isinstance(self.model, self._ddp.apex_class):
             self.model = self.lightning_module
         self._resume.stop()
+        self._resuming = None
         super().teardown()
 
     @override
@@ -600,8 +646,6 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not self._topology.is_distributed:
-            return dataloader
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         return shard_dataloader(
@@ -613,7 +657,8 @@ class EnvDDPStrategy(DDPStrategy):
             shard=bool(self._shard_dataloaders),
             split_batches=self.split_batches,
             exact_eval=self.exact_eval,
-            progress=lambda: _lightning.epoch_progress(trainer),
+            progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),
+            resuming=self._resuming,
         )
 
     @override

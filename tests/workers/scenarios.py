@@ -6,6 +6,7 @@ Each rank writes OUT/rank<RANK>.json: per scenario, what it measured.
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,10 @@ def loader(data: Any, **kwargs: Any) -> DataLoader:
     return DataLoader(data, batch_size=4, **kwargs)
 
 
-# One strategy instance through fit (with sanity check and validation), test, and a second fit.
-strategy = EnvDDPStrategy(exact_eval=True)
+# One strategy instance through fit (with sanity check and validation), test, and a second fit. It starts the process
+# group every later Trainer here trains on; its timeout turns a collective one rank never joins into an error in a
+# minute, not torch's default 30.
+strategy = EnvDDPStrategy(exact_eval=True, timeout=60)
 t = trainer(strategy=strategy, max_epochs=1, num_sanity_val_steps=2)
 model = Module()
 t.fit(model, loader(TRAIN, shuffle=True), loader(EVAL))
@@ -129,5 +132,33 @@ checkpoint = t.strategy.broadcast(t.checkpoint_callback.best_model_path)
 model = Module()
 trainer(strategy="envddp", max_epochs=2).fit(model, loader(TRAIN, shuffle=True), ckpt_path=checkpoint)
 results["resume"] = {"epochs": sorted(model.samples), "spread": spread_across_ranks(model)}
+
+
+# A later Trainer with auto_resume, on the group an earlier Trainer started: SIGTERM to rank 1 still makes every rank
+# save and stop together.
+class SignalledModule(Module):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 1 and dist.get_rank() == 1 and not self.signalled:
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+    signalled = False
+
+
+preempt_dir = out / "preempted"
+t = trainer(
+    strategy=EnvDDPStrategy(auto_resume=True, timeout=30),
+    max_epochs=3,
+    enable_checkpointing=True,
+    callbacks=[ModelCheckpoint(dirpath=preempt_dir, every_n_train_steps=100)],
+)
+try:
+    t.fit(SignalledModule(), loader(TRAIN, shuffle=True))
+    stopped_with = None
+except SystemExit as stop:  # Lightning's SIGTERMException
+    stopped_with = stop.code
+dist.barrier()
+results["later_trainer_preempted"] = {"exit": stopped_with, "saved": sorted(p.name for p in preempt_dir.glob("*.ckpt"))}
 
 (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))

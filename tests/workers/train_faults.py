@@ -1,19 +1,25 @@
 """Training that a test can break: a rank kills itself at a chosen step, only in the first attempt.
 
 Each rank writes OUT/rank<RANK>.json at the end (attempt, resume checkpoint, global step); rank 0 saves the
-final weights to OUT/weights.pt. Checkpoints go to OUT/checkpoints every --every steps.
+final weights to OUT/weights.pt. Checkpoints go to OUT/checkpoints every --every steps. With --record every rank
+appends the sample indices of each step it trained to OUT/trained, one line per step. With --script-group the
+script starts its own process group before the Trainer, as a classic script did, ends it at exit itself, and
+records in OUT/group-at-exit<RANK> whether the group was still there for it to end.
 """
 
 import argparse
+import atexit
 import json
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from common import LR, build_net, dataset, train_set
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
@@ -36,21 +42,36 @@ parser.add_argument("--stall-save-at-step", type=int, default=-1, help="the chec
 parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
 parser.add_argument("--validate", action="store_true", help="validate twice per epoch, each batch taking --step-delay")
 parser.add_argument("--two-loaders", action="store_true", help="train on two DataLoaders of different lengths")
+parser.add_argument("--record", action="store_true", help="append each trained batch's sample indices to OUT/trained")
 parser.add_argument("--start-delay", type=float, default=0.0, help="rank 1 waits this long before it starts")
 parser.add_argument("--timeout", type=float, default=1800.0)
 parser.add_argument(
     "--devices", type=int, default=None, help="Trainer(devices=...); without a launcher, >1 self-launches"
 )
 parser.add_argument("--max-restarts", type=int, default=0, help="EnvDDPStrategy(max_restarts=...)")
+parser.add_argument("--script-group", action="store_true", help="dist.init_process_group before the Trainer")
 args = parser.parse_args()
 out = Path(args.out)
-RANK = int(os.environ.get("RANK", "0"))
+# The rank as torchrun, srun or mpirun exports it (tests start srun's and mpirun's tasks with their variables).
+RANK = int(next((os.environ[v] for v in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK") if v in os.environ), "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 (out / "pids").mkdir(parents=True, exist_ok=True)
 (out / "progress").mkdir(exist_ok=True)
 (out / "pids" / f"rank{RANK}").write_text(str(os.getpid()))
 if RANK == 1:
     time.sleep(args.start_delay)
+
+
+def end_script_group() -> None:
+    """The script's own teardown, as the classic recipe ends: the group it started is its to end."""
+    (out / f"group-at-exit{RANK}").write_text(str(dist.is_initialized()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if args.script_group:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))  # the classic script's line, kept
+    atexit.register(end_script_group)
 
 
 class StallingPickle:
@@ -83,6 +104,10 @@ class Module(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         (out / "progress" / f"rank{RANK}").write_text(str(self.global_step))
+        if args.record:  # one line per step, written before anything below can end the process
+            parts = batch.values() if isinstance(batch, dict) else [batch]
+            with open(out / "trained", "a") as file:
+                file.write(" ".join(str(i) for _, _, index in parts for i in index.tolist()) + "\n")
         if ATTEMPT == 0 and args.kill_rank == RANK and self.global_step == args.kill_at_step:
             os.kill(os.getpid(), getattr(signal, args.signal))
         time.sleep(args.step_delay)

@@ -176,6 +176,22 @@ def make_stateful(
     ...
 
 
+def saved_mid_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether ``checkpoint`` was saved after some, but not all, training batches of its epoch had finished.
+
+    Why: only the fit loop's progress counters, in Lightning's undocumented ``"loops"`` entry, tell.
+    """
+    ...
+
+
+def saved_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    """The states of the training DataLoaders that ``checkpoint`` holds (see :func:`make_stateful`), in order.
+
+    Why: Lightning keeps them in its fit loop's entry of the undocumented ``"loops"`` format.
+    """
+    ...
+
+
 def is_loader_state_mismatch(exception: BaseException) -> bool:
     """Whether ``exception`` is Lightning's refusal of a checkpoint that holds more DataLoader states than the run.
 

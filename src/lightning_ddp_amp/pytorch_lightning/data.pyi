@@ -15,16 +15,22 @@ epochs exactly as in the recipe. A training DataLoader left at ``shuffle=False``
 ``shuffle=False`` would train on the same order every epoch; :func:`warn_unshuffled_training_shards` says so.
 
 A sharded training DataLoader is also resumable in Lightning's sense (it has ``state_dict`` / ``load_state_dict``):
-a checkpoint records the epoch and how many batches of it were trained, and resuming from it skips exactly those
-samples, in the same shuffled order and the same shards, so a crash mid-epoch costs only the steps since the
-checkpoint.
+a checkpoint records the epoch, how many batches of it were trained, and the :class:`DataLayout` they were counted
+in; resuming from it skips exactly those samples, in the same shuffled order and the same shards, so a crash
+mid-epoch costs only the steps since the checkpoint. In one process nothing is sharded and Lightning's behaviour is
+kept, but the checkpoint records the layout too. A position saved mid-epoch names the same samples only under the
+same layout, so a fit that continues one under another layout (another world size, data set, batch, seed or order),
+or without the position a sharded DataLoader needs, stops before its first batch with a ``CheckpointError``; a
+checkpoint saved at the end of an epoch resumes under any layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 from pytorch_lightning.trainer.states import RunningStage
@@ -32,7 +38,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
+from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.pytorch_lightning.resume import ResumePoint
 
 #: Stages whose DataLoaders this module shards. Lightning already shards prediction without duplicates.
 SHARDED_STAGES = (
@@ -53,9 +60,13 @@ def shard_dataloader(
     shard: bool = True,
     split_batches: bool = False,
     exact_eval: bool = False,
-    progress: Callable[[], tuple[int, int]] | None = None,
+    progress: Callable[[], tuple[int, int, int]] | None = None,
+    resuming: ResumePoint | None = None,
 ) -> object:
     """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
+
+    In one process (``num_replicas=1``) the DataLoader is returned as it is: nothing to shard or split. A training
+    DataLoader with ``progress`` still records its position and layout in checkpoints.
 
     Args:
         dataloader: What the LightningModule or DataModule returned.
@@ -67,8 +78,9 @@ def shard_dataloader(
         split_batches: The DataLoader's ``batch_size`` is the global batch: divide it by the world size. Applies
             whether or not the strategy shards the data.
         exact_eval: Shard validation and test sets without padding, so every sample is evaluated exactly once.
-        progress: For the training DataLoader: how many batches of the current epoch are trained, and how many
-            the epoch has, read when a checkpoint is saved. Makes the DataLoader resumable mid-epoch.
+        progress: For the training DataLoader: the current epoch, how many of its batches are trained, and how
+            many it has, read when a checkpoint is saved. Makes the DataLoader resumable mid-epoch.
+        resuming: The checkpoint this fit continues from, named when its position cannot be continued.
 
     Raises:
         StrategyConfigurationError: ``split_batches`` with a batch size that does not divide evenly, or with a
@@ -119,16 +131,135 @@ def _distributed_sampler(
     ...
 
 
-def _make_resumable(loader: DataLoader[Any], sampler: Any, progress: Callable[[], tuple[int, int]]) -> None:
-    """Give ``loader`` the ``state_dict`` / ``load_state_dict`` Lightning looks for in a resumable DataLoader.
+@dataclass(frozen=True)
+class DataLayout:
+    """What decides which samples the n-th batch of an epoch holds on each rank.
 
-    Lightning stores the state in checkpoints and hands it back before the first batch after a restart.
+    "b batches of epoch e are trained" names the same samples only under the same layout.
+
+    Args:
+        world_size: Number of ranks (1 for one process).
+        dataset_length: ``len(dataset)``; None for a dataset without one.
+        global_batch: Samples per step over all ranks; None for a batch sampler without a ``batch_size``.
+        split_batches: ``EnvDDPStrategy(split_batches=...)``.
+        seed: Seed of the shuffled order (``PL_GLOBAL_SEED``).
+        shuffle: ``DataLoader(shuffle=...)``; None when a sampler of the user's own decides the order.
+    """
+
+    world_size: int
+    dataset_length: int | None
+    global_batch: int | None
+    split_batches: bool
+    seed: int
+    shuffle: bool | None
+
+    @classmethod
+    def of(
+        cls,
+        loader: DataLoader[Any],
+        source: Sampler[Any] | Iterable[Any] | None,
+        *,
+        num_replicas: int,
+        seed: int,
+        split_batches: bool,
+    ) -> DataLayout:
+        """The layout of ``loader`` as each rank reads it, whose order ``source`` (the user's sampler) decides."""
+        ...
+
+    def differences(self, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """``{field: (saved value, this layout's value)}`` for each field ``saved`` records with another value."""
+        ...
+
+
+def _saved_layout(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout a DataLoader position was saved in; of a position saved before layouts were, what it records."""
+    ...
+
+
+def _named(field: str) -> str:
+    """A layout field as messages name it: ``world_size`` -> ``world size``; arguments keep their spelling."""
+    ...
+
+
+class _Position:
+    """A training DataLoader's place in its epoch, in its layout: Lightning saves ``state_dict()`` in checkpoints
+    and hands it back to ``load_state_dict`` before the first batch of a resumed fit.
+
+    Args:
+        loader: The DataLoader each rank reads.
+        layout: Its layout.
+        progress: The current epoch, how many of its batches are trained, and how many it has.
+        sampler: The sampler that skips what a resumed epoch already trained; None in one process, where the
+            DataLoader starts its epoch over (Lightning's behaviour for a DataLoader it cannot resume).
+        resuming: The checkpoint this fit continues from, for errors.
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        layout: DataLayout,
+        progress: Callable[[], tuple[int, int, int]],
+        sampler: Any,
+        resuming: ResumePoint | None,
+    ) -> None:
+        ...
+
+    def attach(self) -> None:
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: skip the samples its epoch already trained.
+
+        Raises:
+            CheckpointError: ``state`` was saved mid-epoch in another layout, or records none.
+        """
+        ...
+
+    def _check_layout(self, saved: dict[str, Any], trained: str) -> None:
+        ...
+
+
+def _position_of(loader: object) -> _Position | None:
+    ...
+
+
+def _resumable_of_its_own(loader: DataLoader[Any]) -> bool:
+    """Whether the user's DataLoader saves and restores its own position (torchdata's ``StatefulDataLoader``)."""
+    ...
+
+
+def _shardable(source: Sampler[Any] | Iterable[Any] | None) -> TypeGuard[Sampler[Any] | Iterable[Any]]:
+    """Whether the strategy shards a DataLoader whose order ``source`` decides (None: an IterableDataset)."""
+    ...
+
+
+def _warn_new_pass(resuming: ResumePoint) -> None:
+    ...
+
+
+def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | None) -> None:
+    """At the start of training: stop a fit that continues mid-epoch but whose sharded DataLoader got no position.
+
+    Such a checkpoint was written by a run that did not record a position for the DataLoader (one process before
+    lightning_ddp_amp recorded layouts, another strategy, ``Trainer(use_distributed_sampler=False)``), or Lightning
+    did not hand the position over. Sharded, the DataLoader would start its epoch over while Lightning counts the
+    saved batches as trained. In one process that is Lightning's behaviour, and a warning says so.
+
+    Args:
+        train_dataloader: ``trainer.train_dataloader`` once the fit loop has set it up.
+        resuming: The checkpoint the fit continues from; None for a fresh start.
+
+    Raises:
+        CheckpointError: The checkpoint was saved mid-epoch and a sharded training DataLoader got no position.
     """
     ...
 
 
 def explain_loader_state_mismatch(exception: BaseException) -> None:
-    """Explain Lightning's error when a checkpoint holds a sharded loader's position that this run cannot use."""
+    """Explain Lightning's error when a checkpoint holds DataLoader positions that this run has no DataLoaders for."""
     ...
 
 

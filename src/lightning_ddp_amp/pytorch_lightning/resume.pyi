@@ -9,6 +9,10 @@
   a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
   status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
 
+A checkpoint saved mid-epoch continues only under the data layout it was saved in (see
+:mod:`lightning_ddp_amp.pytorch_lightning.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words the
+error: which file (and that ``auto_resume`` picked it), why, and the ways on.
+
 :class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
 (:data:`lightning_ddp_amp.preemption.PREEMPTION`).
 """
@@ -21,6 +25,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +73,38 @@ def check_checkpoint(checkpoint: object, path: Any) -> None:
 def unreadable_checkpoint(path: Any, error: Exception) -> CheckpointError:
     """The error for a checkpoint file that cannot be loaded (truncated, or not a torch checkpoint)."""
     ...
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a fit continues from, as far as the position of its training data goes.
+
+    Args:
+        path: The checkpoint file.
+        mid_epoch: It was saved after some, but not all, training batches of its epoch had finished.
+        loader_states: How many training DataLoader positions it holds (Lightning saves those of resumable
+            DataLoaders: envddp's since it records their layout, sharded ones before that, none from other runs).
+        auto_resumed: ``auto_resume`` picked it as the newest checkpoint of its directory.
+    """
+
+    path: str
+    mid_epoch: bool
+    loader_states: int
+    auto_resumed: bool = False
+
+    @classmethod
+    def read(cls, checkpoint: dict[str, Any], path: Any, auto_resumed: bool) -> ResumePoint:
+        """Where the loaded ``checkpoint`` (from ``path``) stands in its epoch."""
+        ...
+
+    def refuse(self, problem: str, continue_exactly: str) -> CheckpointError:
+        """The error that stops a fit from continuing from this checkpoint, and the ways on.
+
+        Args:
+            problem: Why the samples the checkpoint had trained cannot be told apart in this run.
+            continue_exactly: What continues it exactly, e.g. ``"relaunch with that run's layout (world size 1)"``.
+        """
+        ...
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

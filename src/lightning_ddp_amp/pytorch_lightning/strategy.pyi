@@ -46,18 +46,31 @@ from typing_extensions import override
 import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp import selflaunch
 from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
-from lightning_ddp_amp.pytorch_lightning.data import explain_loader_state_mismatch, shard_dataloader, warn_unshuffled_training_shards
+from lightning_ddp_amp.pytorch_lightning.data import (
+    check_resumed_positions,
+    explain_loader_state_mismatch,
+    shard_dataloader,
+    warn_unshuffled_training_shards,
+)
 from lightning_ddp_amp.ddp_options import DDPOptions
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.process_group import (
+    check_script_group,
     destroy_process_group,
     explain_peer_failure,
     init_process_group,
+    started_by_script,
     torch_gaps,
 )
-from lightning_ddp_amp.pytorch_lightning.resume import AtomicCheckpointIO, AutoResume, check_checkpoint, unreadable_checkpoint
+from lightning_ddp_amp.pytorch_lightning.resume import (
+    AtomicCheckpointIO,
+    AutoResume,
+    ResumePoint,
+    check_checkpoint,
+    unreadable_checkpoint,
+)
 
 #: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
 COMM_HOOKS: dict[str, Callable[..., Any]] = {
@@ -74,7 +87,9 @@ class EnvDDPStrategy(DDPStrategy):
     variables the same script trains as one process on the default device, with no process group, unless the
     Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then the
     strategy starts the N ranks itself through torchrun, re-running the script with the same arguments
-    (:mod:`lightning_ddp_amp.selflaunch`).
+    (:mod:`lightning_ddp_amp.selflaunch`). A process group the script started itself (a classic script's
+    ``dist.init_process_group`` before the Trainer) is trained on once its rank, world size and backend are found to
+    be the launcher's and envddp's; the script ends it, as it started it.
 
     Args:
         accelerator: The accelerator; normally chosen by the Trainer.
@@ -90,7 +105,7 @@ class EnvDDPStrategy(DDPStrategy):
         precision_plugin: The precision plugin; normally chosen by the Trainer.
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on CUDA, gloo on CPU.
         timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
-            A ``timedelta`` or seconds.
+            A ``timedelta`` or seconds. A process group the script started keeps the timeout the script gave it.
         find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
             the default, which is torch's except where :data:`~lightning_ddp_amp.ddp_options.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
@@ -119,7 +134,10 @@ class EnvDDPStrategy(DDPStrategy):
         LauncherEnvironmentError: A launcher variable, or a value the cluster environment reports, is missing,
             malformed or out of range (when the Trainer is built: a ClusterEnvironment plugin may still replace the
             launcher's variables).
-        StrategyConfigurationError: An argument is invalid.
+        StrategyConfigurationError: An argument is invalid, or the process group the script started runs another
+            backend than ``process_group_backend`` (default: envddp's choice for the device).
+        TopologyMismatchError: The process group the script started has another rank or world size than the
+            launcher's (when the process group is set up).
     """
 
     strategy_name = "envddp"
