@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import torch
 from conftest import drop_loader_positions
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import RunningStage
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
 from lightning_ddp_amp._namespaces import namespaced_modules
@@ -230,7 +231,7 @@ def test_a_mid_epoch_checkpoint_without_a_position_is_refused_for_a_sharded_load
     # A checkpoint of one process written before positions were recorded: it holds none.
     unpositioned = ResumePoint("/runs/epoch=0-step=3.ckpt", mid_epoch=True, loader_states=0, auto_resumed=True)
     with pytest.raises(CheckpointError) as raised:
-        check_resumed_positions({"a": training_loader(2)}, unpositioned)
+        check_resumed_positions({"a": training_loader(2)}, unpositioned, world_size=2)
     assert str(raised.value).startswith(
         "ckpt_path='/runs/epoch=0-step=3.ckpt': auto_resume picked it as the newest checkpoint in /runs, but it was"
         " saved in the middle of an epoch and holds no position of a training DataLoader"
@@ -244,16 +245,18 @@ def test_a_mid_epoch_checkpoint_without_a_position_is_refused_for_a_sharded_load
 
 def test_without_a_mid_epoch_checkpoint_or_with_a_restored_position_a_fit_starts() -> None:
     end_of_epoch = ResumePoint("/runs/epoch=0-step=4.ckpt", mid_epoch=False, loader_states=0)
-    check_resumed_positions(training_loader(2), end_of_epoch)
-    check_resumed_positions(training_loader(2), None)
+    check_resumed_positions(training_loader(2), end_of_epoch, world_size=2)
+    check_resumed_positions(training_loader(2), None, world_size=2)
     restored = training_loader(2)
     restored.load_state_dict(training_loader(2).state_dict())
-    check_resumed_positions(restored, MID_EPOCH)
+    check_resumed_positions(restored, MID_EPOCH, world_size=2)
 
 
 def test_a_mid_epoch_position_lightning_did_not_hand_over_is_refused_naming_the_likely_cause() -> None:
     with pytest.raises(CheckpointError) as raised:
-        check_resumed_positions(training_loader(2), MID_EPOCH)  # MID_EPOCH holds 1 position; none was loaded
+        check_resumed_positions(
+            training_loader(2), MID_EPOCH, world_size=2
+        )  # MID_EPOCH holds 1 position; none was loaded
     assert str(raised.value).startswith(
         "ckpt_path='/runs/epoch=0-step=3.ckpt': it was saved in the middle of an epoch and holds 1 DataLoader"
         " position(s), but Lightning handed none to this one (it does not when the training DataLoader was set up"
@@ -287,7 +290,7 @@ def test_one_process_resumes_mid_epoch_as_lightning_does_and_says_so() -> None:
     with pytest.warns(UserWarning, match="saved in the middle of an epoch, and in one process the training DataLoader"):
         loader.load_state_dict(training_loader(1).state_dict())
     with pytest.warns(UserWarning, match="the rest of this epoch comes from a new pass over it"):
-        check_resumed_positions(training_loader(1), MID_EPOCH)
+        check_resumed_positions(training_loader(1), MID_EPOCH, world_size=1)
 
 
 def test_auto_resume_names_the_mid_epoch_checkpoint_it_picked_and_why_it_cannot_be_continued(tmp_path: Path) -> None:
@@ -322,8 +325,9 @@ def test_positions_for_dataloaders_this_run_does_not_position_stop_it_with_an_ex
     with pytest.raises(RuntimeError) as raised:
         fit(tmp_path, use_distributed_sampler=False)  # the user shards: the strategy positions no DataLoader
     assert str(raised.value).startswith(
-        "The checkpoint holds the positions of training DataLoaders saved in the middle of an epoch, but this run has"
-        " another number of training DataLoaders that take one"
+        f"ckpt_path='{tmp_path / 'epoch=0-step=2.ckpt'}': auto_resume picked it as the newest checkpoint in"
+        f" {tmp_path}, but it holds the positions of training DataLoaders saved in the middle of an epoch, but this"
+        " run has another number of training DataLoaders that take one"
     )
     assert "Lightning said: The CombinedLoader has 0 stateful loaders, but found 1 states" in str(raised.value)
 
@@ -339,6 +343,77 @@ def test_a_resumed_loader_skips_exactly_the_trained_batches() -> None:
     resumed.load_state_dict(rank0().state_dict())
     assert [batch[0].tolist() for batch in resumed] == epoch1[3:]
     assert len(resumed) == len(full)  # Lightning counts the epoch's batches from the full length
+
+
+class Pairs(BatchSampler):
+    """A batch sampler of the user's own: its DataLoader has no batch_size."""
+
+
+def test_a_resumed_batch_sampler_skips_the_samples_of_the_trained_batches() -> None:
+    def rank0() -> DataLoader:
+        loader = DataLoader(
+            TensorDataset(torch.arange(16)),
+            batch_sampler=Pairs(RandomSampler(range(16)), batch_size=2, drop_last=False),
+        )
+        sharded = shard_dataloader(
+            loader, stage=RunningStage.TRAINING, num_replicas=2, rank=0, seed=0, progress=lambda: (1, 3, 4)
+        )
+        assert isinstance(sharded, DataLoader) and sharded.batch_size is None
+        return sharded
+
+    full = rank0()
+    full.batch_sampler.sampler.set_epoch(1)  # type: ignore[union-attr]
+    epoch1 = [batch[0].tolist() for batch in full]
+    resumed = rank0()
+    resumed.load_state_dict(rank0().state_dict())
+    assert [batch[0].tolist() for batch in resumed] == epoch1[3:]
+
+
+def test_a_batch_sampler_without_a_batch_size_cannot_be_resumed_mid_epoch() -> None:
+    loader = training_loader(2)
+    position = _position_of(loader)
+    assert position is not None
+    position.layout = dataclasses.replace(position.layout, global_batch=None)
+    state = loader.state_dict()
+    with pytest.raises(CheckpointError) as raised:
+        loader.load_state_dict(state)
+    assert str(raised.value).startswith(
+        "ckpt_path='/runs/epoch=0-step=3.ckpt': it was saved after 3 batches of epoch 0, and this run's training"
+        " DataLoader has a batch sampler (BatchSampler) without a batch_size, so the number of samples those batches"
+        " took is unknown. Fix: give the batch sampler a fixed batch_size attribute to continue exactly"
+    )
+
+
+def test_a_position_envddp_did_not_save_is_refused() -> None:
+    # A DataLoader that saves its own position (torchdata's), left alone in one process, resumed on 2 ranks.
+    with pytest.raises(CheckpointError) as raised:
+        training_loader(2).load_state_dict({"steps_since_snapshot": 3, "sampler_state": {}})
+    assert str(raised.value).startswith(
+        "ckpt_path='/runs/epoch=0-step=3.ckpt': the training DataLoader position it holds is not one envddp saved (it"
+        " has ['sampler_state', 'steps_since_snapshot']: a DataLoader that saves its own position, in one process)"
+    )
+    assert "Fix: relaunch as that run was launched to continue exactly" in str(raised.value)
+
+
+def test_every_checkpoint_records_the_world_size_that_saved_it(tmp_path: Path) -> None:
+    fit(tmp_path, max_steps=2)
+    saved = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=False)
+    assert saved["envddp"] == {"world_size": 1}
+    assert ResumePoint.read(saved, tmp_path / "epoch=0-step=2.ckpt", auto_resumed=False).world_size == 1
+
+
+def test_a_dataloader_envddp_does_not_position_resumes_mid_epoch_only_at_the_world_size_that_saved_it() -> None:
+    # An IterableDataset, a sampler of the script's own or use_distributed_sampler=False: no position to check.
+    saved_by_two = ResumePoint("/runs/epoch=0-step=3.ckpt", mid_epoch=True, loader_states=0, world_size=2)
+    unpositioned = DataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    check_resumed_positions(unpositioned, saved_by_two, world_size=2)  # Lightning's behaviour, and its warning
+    with pytest.raises(CheckpointError) as raised:
+        check_resumed_positions({"images": unpositioned}, saved_by_two, world_size=1)
+    assert str(raised.value).startswith(
+        "ckpt_path='/runs/epoch=0-step=3.ckpt': it was saved in the middle of an epoch by 2 rank(s), and the training"
+        " DataLoader['images'] of this run of 1 got no position envddp can check"
+    )
+    assert "Fix: relaunch with 2 rank(s) to continue exactly" in str(raised.value)
 
 
 def test_a_shorter_cycling_loader_resumes_where_its_cycle_stands() -> None:

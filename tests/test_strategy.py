@@ -425,6 +425,20 @@ def test_a_script_group_of_another_size_is_an_error(
         strategy.setup_environment()
 
 
+def test_a_script_group_without_a_launcher_says_to_start_one_before_deleting_the_line(
+    script_group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A script that started a group of 2 on its own variables: deleting the line alone would train 2 lone processes.
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(
+        TopologyMismatchError,
+        match=rf"^world_size=2: {THE_SCRIPTS_GROUP} has 2 rank\(s\), but the job has 1, started without a launcher"
+        r" \(no RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for envddp to read\)\. Fix: start the script with torchrun"
+        rf" \(or srun, mpirun\), which sets them, and {DELETE_THE_LINE}$",
+    ):
+        process_group.check_script_group(Topology(), "gloo", torch.device("cpu"), backend_given=False)
+
+
 def test_a_script_group_on_another_backend_than_the_one_given_is_an_error(script_group: Any) -> None:
     strategy = trainer(strategy=EnvDDPStrategy(process_group_backend="nccl")).strategy
     with pytest.raises(

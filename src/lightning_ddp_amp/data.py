@@ -303,9 +303,17 @@ class _Position:
         """Continue from ``state``: skip the samples its epoch already trained.
 
         Raises:
-            CheckpointError: ``state`` was saved mid-epoch in another layout, or records none.
+            CheckpointError: ``state`` was saved mid-epoch in another layout, or records none; or it is not a
+                position envddp saved (a DataLoader that saves its own, e.g. torchdata's, saved by one process).
         """
         self.restored = True
+        if not {"epoch", "batches"} <= state.keys():
+            raise self._resuming.refuse(
+                f"the training DataLoader position it holds is not one envddp saved (it has {sorted(state)}: a"
+                " DataLoader that saves its own position, in one process), so this run cannot tell which samples"
+                " that epoch has already trained",
+                "relaunch as that run was launched",
+            )
         epoch, batches = int(state["epoch"]), int(state["batches"])
         epoch_batches = int(state.get("epoch_batches", len(self.loader)))
         if batches >= epoch_batches:
@@ -318,9 +326,17 @@ class _Position:
         if self._sampler is None:
             _warn_new_pass(self._resuming)
             return
+        if self.layout.global_batch is None:
+            raise self._resuming.refuse(
+                f"it was saved after {batches} batches of epoch {epoch}, and this run's training DataLoader has a"
+                f" batch sampler ({type(self.loader.batch_sampler).__name__}) without a batch_size, so the number of"
+                " samples those batches took is unknown",
+                "give the batch sampler a fixed batch_size attribute",
+            )
+        per_rank = self.layout.global_batch // self.layout.world_size
         # A loader shorter than the epoch cycles (Lightning's default "max_size_cycle"): it stands batches % len in.
         self._sampler.set_epoch(epoch)
-        self._sampler.resume_at(epoch, batches % max(len(self.loader), 1) * (self.loader.batch_size or 1))
+        self._sampler.resume_at(epoch, batches % max(len(self.loader), 1) * per_rank)
 
     def _check_layout(self, saved: dict[str, Any], trained: str) -> None:
         differences = self.layout.differences(saved)
@@ -370,28 +386,45 @@ def _warn_new_pass(resuming: ResumePoint) -> None:
     )
 
 
-def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | None) -> None:
-    """At the start of training: stop a fit that continues mid-epoch but whose sharded DataLoader got no position.
+def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | None, world_size: int) -> None:
+    """At the start of training: stop a fit that continues mid-epoch but whose training DataLoader got no position
+    it can continue from.
 
-    Such a checkpoint was written by a run that did not record a position for the DataLoader (one process before
-    lightning_ddp_amp recorded layouts, another strategy, ``Trainer(use_distributed_sampler=False)``), or Lightning
-    did not hand the position over. Sharded, the DataLoader would start its epoch over while Lightning counts the
-    saved batches as trained. In one process that is Lightning's behaviour, and a warning says so.
+    A DataLoader envddp shards would start its epoch over while Lightning counts the saved batches as trained: the
+    checkpoint was written by a run that did not record its position (one process before lightning_ddp_amp recorded
+    layouts, another strategy, ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position
+    over. A DataLoader envddp does not position (an IterableDataset, a sampler of the script's own,
+    ``use_distributed_sampler=False``) starts its epoch over too, which names other samples on another number of
+    ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
+    DataLoader it cannot resume, and Lightning or envddp warns.
 
     Args:
         train_dataloader: ``trainer.train_dataloader`` once the fit loop has set it up.
         resuming: The checkpoint the fit continues from; None for a fresh start.
+        world_size: This run's number of ranks.
 
     Raises:
-        CheckpointError: The checkpoint was saved mid-epoch and a sharded training DataLoader got no position.
+        CheckpointError: The checkpoint was saved mid-epoch, and a training DataLoader got no position while the
+            checkpoint was saved by another number of ranks, or a sharded one got none.
     """
     if resuming is None or not resuming.mid_epoch:
         return
-    for _, loader in _named_dataloaders(train_dataloader, ""):
+    for key, loader in _named_dataloaders(train_dataloader, ""):
         position = _position_of(loader)
-        if position is None or position.restored:
+        if position is not None and position.restored:
             continue
-        if position.layout.world_size == 1:
+        if resuming.world_size is not None and resuming.world_size != world_size:
+            name = "the training DataLoader" + key
+            raise resuming.refuse(
+                f"it was saved in the middle of an epoch by {resuming.world_size} rank(s), and {name} of this run of"
+                f" {world_size} got no position envddp can check (an IterableDataset, a sampler of the script's own,"
+                " Trainer(use_distributed_sampler=False), or a position Lightning did not hand over), so this run"
+                " cannot tell which samples that epoch has already trained",
+                f"relaunch with {resuming.world_size} rank(s)",
+            )
+        if position is None:
+            continue  # not envddp's to position, at the world size it was saved at: Lightning's behaviour, warned
+        if world_size == 1:
             _warn_new_pass(resuming)
             continue
         if resuming.loader_states == 0:
@@ -413,22 +446,33 @@ def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | No
                 " (from the DataLoader's length and max_epochs)"
             )
         raise resuming.refuse(
-            f"it was saved in the middle of an epoch and {held}, so this run of {position.layout.world_size} ranks"
+            f"it was saved in the middle of an epoch and {held}, so this run of {world_size} ranks"
             " cannot tell which samples that epoch has already trained",
             continue_exactly,
         )
 
 
-def explain_loader_state_mismatch(exception: BaseException) -> None:
-    """Explain Lightning's error when a checkpoint holds DataLoader positions that this run has no DataLoaders for."""
-    if _lightning.is_loader_state_mismatch(exception) and exception.args:
-        exception.args = (
-            "The checkpoint holds the positions of training DataLoaders saved in the middle of an epoch, but this run"
-            " has another number of training DataLoaders that take one (other DataLoaders, or"
-            " Trainer(use_distributed_sampler=...) changed). Resume with the original DataLoaders and launch, or from"
-            f" a checkpoint saved at the end of an epoch. Lightning said: {exception}",
-            *exception.args[1:],
-        )
+def explain_loader_state_mismatch(exception: BaseException, resuming: ResumePoint | None) -> None:
+    """Explain Lightning's error when a checkpoint holds DataLoader positions that this run has no DataLoaders for.
+
+    Args:
+        exception: What the fit raised.
+        resuming: The checkpoint the fit continues from, named in the explanation.
+    """
+    if not (_lightning.is_loader_state_mismatch(exception) and exception.args):
+        return
+    problem = (
+        "it holds the positions of training DataLoaders saved in the middle of an epoch, but this run has another"
+        " number of training DataLoaders that take one (other DataLoaders, or Trainer(use_distributed_sampler=...)"
+        " changed)"
+    )
+    fix = "resume with the original DataLoaders and launch"
+    explained = (
+        str(resuming.refuse(problem, fix))
+        if resuming is not None
+        else f"The checkpoint {problem}. Fix: {fix}, or from a checkpoint saved at the end of an epoch"
+    )
+    exception.args = (f"{explained}. Lightning said: {exception}", *exception.args[1:])
 
 
 def _check_exact_eval(

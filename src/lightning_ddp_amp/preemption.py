@@ -6,6 +6,7 @@ nothing from Lightning: ``lightning_ddp_amp.pytorch_lightning`` shares it instea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -71,7 +72,9 @@ class Preemption:
     def _report(self, text: str) -> None:
         report = os.environ.get(PREEMPTION_REPORT_VARIABLE)
         if report and (not dist.is_initialized() or dist.get_rank() == 0):
-            Path(report).write_text(text)
+            # Only the agent's last line depends on it: a report that cannot be written must not stop training.
+            with contextlib.suppress(OSError):
+                Path(report).write_text(text)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: a signal handler must not start collectives, which could interleave with training's.

@@ -123,21 +123,26 @@ def check_script_group(topology: Topology, backend: str, device: torch.device, b
         StrategyConfigurationError: The group runs another backend for the device's tensors, or none.
     """
     group = "the process group the script started (its dist.init_process_group)"
-    launched = f"launched by {topology.launcher}" if topology.launcher != "none" else "started without a launcher"
+    if topology.launcher != "none":
+        launched, fix = f"launched by {topology.launcher}", _DELETE_THE_LINE
+    else:
+        # Deleting the line alone would leave each process training on its own.
+        launched = "started without a launcher (no RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for envddp to read)"
+        fix = f"start the script with torchrun (or srun, mpirun), which sets them, and {_DELETE_THE_LINE}"
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank != topology.rank:
         raise TopologyMismatchError(
             "rank",
             rank,
             f"{group} numbers this process {rank}, but it is rank {topology.rank} of {topology.world_size}, {launched}",
-            _DELETE_THE_LINE,
+            fix,
         )
     if world_size != topology.world_size:
         raise TopologyMismatchError(
             "world_size",
             world_size,
             f"{group} has {world_size} rank(s), but the job has {topology.world_size}, {launched}",
-            _DELETE_THE_LINE,
+            fix,
         )
     config = dist.get_backend_config()  # one backend per device type: "cpu:gloo,cuda:nccl"
     runs = dict(part.partition(":")[::2] for part in config.split(",")).get(device.type)

@@ -99,6 +99,16 @@ def unreadable_checkpoint(path: Any, error: Exception) -> CheckpointError:
     )
 
 
+#: The checkpoint entry envddp writes beside Lightning's: ``{"world_size": N}``.
+CHECKPOINT_KEY = "envddp"
+
+
+def record_world_size(checkpoint: dict[str, Any], world_size: int) -> None:
+    """Note in ``checkpoint`` how many ranks saved it: a DataLoader that envddp does not position (an
+    IterableDataset, the script's own sampler, ``Trainer(use_distributed_sampler=False)``) records no layout."""
+    checkpoint[CHECKPOINT_KEY] = {"world_size": world_size}
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint a fit continues from, as far as the position of its training data goes.
@@ -109,21 +119,26 @@ class ResumePoint:
         loader_states: How many training DataLoader positions it holds (Lightning saves those of resumable
             DataLoaders: envddp's since it records their layout, sharded ones before that, none from other runs).
         auto_resumed: ``auto_resume`` picked it as the newest checkpoint of its directory.
+        world_size: How many ranks saved it (:func:`record_world_size`); None for a checkpoint that does not say
+            (an earlier lightning_ddp_amp, another strategy).
     """
 
     path: str
     mid_epoch: bool
     loader_states: int
     auto_resumed: bool = False
+    world_size: int | None = None
 
     @classmethod
     def read(cls, checkpoint: dict[str, Any], path: Any, auto_resumed: bool) -> ResumePoint:
         """Where the loaded ``checkpoint`` (from ``path``) stands in its epoch."""
+        saved_by = checkpoint.get(CHECKPOINT_KEY, {}).get("world_size")
         return cls(
             str(path),
             _lightning.saved_mid_epoch(checkpoint),
             len(_lightning.saved_loader_states(checkpoint)),
             auto_resumed,
+            None if saved_by is None else int(saved_by),
         )
 
     def refuse(self, problem: str, continue_exactly: str) -> CheckpointError:

@@ -11,6 +11,7 @@ work) after it, or in the LightningModule's hooks. This module imports nothing f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -133,7 +134,8 @@ def launch(arguments: Sequence[str]) -> NoReturn:
         traceback.print_exc()
         raise SystemExit(1) from None
     finally:
-        os.remove(report)
+        with contextlib.suppress(OSError):  # the exit status matters more than a leftover temporary file
+            os.remove(report)
     raise SystemExit(0)
 
 
@@ -147,8 +149,11 @@ def preempted_checkpoint(report: str, failures: Iterable[Any]) -> str | None:
             stopped once the first rank had exited dies of its SIGTERM. Any other status is a crash, even after a
             save, and keeps torchrun's full report.
     """
-    with open(report) as file:
-        saved = file.read()
+    try:
+        with open(report) as file:
+            saved = file.read()
+    except OSError:  # removed from under the agent (a cleaned /tmp): no checkpoint to name
+        return None
     preempted = all(failure.exitcode in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for failure in failures)
     return saved if saved and preempted else None
 

@@ -68,6 +68,7 @@ from lightning_ddp_amp.resume import (
     AutoResume,
     ResumePoint,
     check_checkpoint,
+    record_world_size,
     unreadable_checkpoint,
 )
 
@@ -584,7 +585,7 @@ class EnvDDPStrategy(DDPStrategy):
         self._resume.on_train_start(self.lightning_module.trainer)
         # Before the first batch: a mid-epoch position the training DataLoaders did not get is refused.
         resuming, self._resuming = self._resuming, None
-        check_resumed_positions(self.lightning_module.trainer.train_dataloader, resuming)
+        check_resumed_positions(self.lightning_module.trainer.train_dataloader, resuming, self._topology.world_size)
         # The recipe's DistributedSampler shuffled; a training DataLoader left at shuffle=False does not.
         warn_unshuffled_training_shards(self.lightning_module.trainer.train_dataloader)
 
@@ -602,7 +603,14 @@ class EnvDDPStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         explain_peer_failure(exception, self.timeout)
-        explain_loader_state_mismatch(exception)
+        explain_loader_state_mismatch(exception, self._resuming)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Which samples a mid-epoch position names depends on the number of ranks, also for DataLoaders that record
+        # no layout of their own (check_resumed_positions).
+        record_world_size(checkpoint, self._topology.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

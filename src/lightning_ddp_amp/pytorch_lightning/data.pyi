@@ -214,7 +214,8 @@ class _Position:
         """Continue from ``state``: skip the samples its epoch already trained.
 
         Raises:
-            CheckpointError: ``state`` was saved mid-epoch in another layout, or records none.
+            CheckpointError: ``state`` was saved mid-epoch in another layout, or records none; or it is not a
+                position envddp saved (a DataLoader that saves its own, e.g. torchdata's, saved by one process).
         """
         ...
 
@@ -240,26 +241,37 @@ def _warn_new_pass(resuming: ResumePoint) -> None:
     ...
 
 
-def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | None) -> None:
-    """At the start of training: stop a fit that continues mid-epoch but whose sharded DataLoader got no position.
+def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | None, world_size: int) -> None:
+    """At the start of training: stop a fit that continues mid-epoch but whose training DataLoader got no position
+    it can continue from.
 
-    Such a checkpoint was written by a run that did not record a position for the DataLoader (one process before
-    lightning_ddp_amp recorded layouts, another strategy, ``Trainer(use_distributed_sampler=False)``), or Lightning
-    did not hand the position over. Sharded, the DataLoader would start its epoch over while Lightning counts the
-    saved batches as trained. In one process that is Lightning's behaviour, and a warning says so.
+    A DataLoader envddp shards would start its epoch over while Lightning counts the saved batches as trained: the
+    checkpoint was written by a run that did not record its position (one process before lightning_ddp_amp recorded
+    layouts, another strategy, ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position
+    over. A DataLoader envddp does not position (an IterableDataset, a sampler of the script's own,
+    ``use_distributed_sampler=False``) starts its epoch over too, which names other samples on another number of
+    ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
+    DataLoader it cannot resume, and Lightning or envddp warns.
 
     Args:
         train_dataloader: ``trainer.train_dataloader`` once the fit loop has set it up.
         resuming: The checkpoint the fit continues from; None for a fresh start.
+        world_size: This run's number of ranks.
 
     Raises:
-        CheckpointError: The checkpoint was saved mid-epoch and a sharded training DataLoader got no position.
+        CheckpointError: The checkpoint was saved mid-epoch, and a training DataLoader got no position while the
+            checkpoint was saved by another number of ranks, or a sharded one got none.
     """
     ...
 
 
-def explain_loader_state_mismatch(exception: BaseException) -> None:
-    """Explain Lightning's error when a checkpoint holds DataLoader positions that this run has no DataLoaders for."""
+def explain_loader_state_mismatch(exception: BaseException, resuming: ResumePoint | None) -> None:
+    """Explain Lightning's error when a checkpoint holds DataLoader positions that this run has no DataLoaders for.
+
+    Args:
+        exception: What the fit raised.
+        resuming: The checkpoint the fit continues from, named in the explanation.
+    """
     ...
 
 

@@ -69,6 +69,7 @@ from lightning_ddp_amp.pytorch_lightning.resume import (
     AutoResume,
     ResumePoint,
     check_checkpoint,
+    record_world_size,
     unreadable_checkpoint,
 )
 
@@ -340,6 +341,12 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        ...
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Which samples a mid-epoch position names depends on the number of ranks, also for DataLoaders that record
+        # no layout of their own (check_resumed_positions).
         ...
 
     @override
