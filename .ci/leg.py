@@ -85,9 +85,14 @@ def problems(outcomes: Outcomes, table: dict[str, object], leg: str) -> list[str
                 f"{path} ran {ran} test(s) but {MINIMUMS.name} has no floor for it on leg {leg}: add it (`python"
                 f" .ci/leg.py record REPORT {leg}` writes today's counts)"
             )
+        elif ran == 0:  # also for a floor of 0: a file whose tests all skip here must still be collected
+            found.append(
+                f"{path}: at least {floors[path]} test(s) must pass on leg {leg}, but it was not collected at all"
+            )
         elif outcomes.passed[path] < floors[path]:
-            why = "it was not collected at all" if ran == 0 else f"{outcomes.passed[path]} passed"
-            found.append(f"{path}: at least {floors[path]} test(s) must pass on leg {leg}, but {why}")
+            found.append(
+                f"{path}: at least {floors[path]} test(s) must pass on leg {leg}, but {outcomes.passed[path]} passed"
+            )
     limit = int(table.get("max_skipped", 0))  # type: ignore[call-overload]
     total_skipped = sum(outcomes.skipped.values())
     if total_skipped > limit:

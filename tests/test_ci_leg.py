@@ -57,6 +57,13 @@ def floors(leg_name: str) -> dict[str, int]:
     return table
 
 
+def report_at_floors(path: Path, leg_name: str, without: str | None = None) -> Path:
+    """A report of the leg at its floors: each file passes its floor, one skipped test stands in for a file whose
+    floor is 0 (all its tests skip on that leg), and ``without`` was not collected."""
+    passed = {file: count for file, count in floors(leg_name).items() if file != without}
+    return write_report(path, passed, {file: 1 for file, count in passed.items() if count == 0})
+
+
 @pytest.mark.parametrize("leg_name", LEGS)
 def test_every_leg_has_floors_for_existing_test_files(leg_name: str) -> None:
     table = floors(leg_name)
@@ -65,24 +72,35 @@ def test_every_leg_has_floors_for_existing_test_files(leg_name: str) -> None:
         assert (CI.parent / file).is_file(), file
 
 
-def test_a_report_at_every_floor_passes_the_leg(tmp_path: Path) -> None:
-    result = run_passed(write_report(tmp_path / "report.xml", floors("test")), "test")
+@pytest.mark.parametrize("leg_name", LEGS)
+def test_a_report_at_every_floor_passes_the_leg(tmp_path: Path, leg_name: str) -> None:
+    result = run_passed(report_at_floors(tmp_path / "report.xml", leg_name), leg_name)
     assert result.returncode == 0, result.stderr
     assert "every file at or above its floor" in result.stdout
 
 
 def test_a_report_missing_one_test_file_fails_the_leg_naming_that_file(tmp_path: Path) -> None:
-    counts = floors("test")
-    del counts["tests/test_precision.py"]
-    result = run_passed(write_report(tmp_path / "report.xml", counts), "test")
+    result = run_passed(report_at_floors(tmp_path / "report.xml", "test", without="tests/test_precision.py"), "test")
     assert result.returncode == 1
-    assert "tests/test_precision.py: at least" in result.stderr
-    assert "it was not collected at all" in result.stderr
+    assert result.stderr.count("  - ") == 1, result.stderr
+    assert (
+        "tests/test_precision.py: at least 116 test(s) must pass on leg test, but it was not collected at all"
+        in result.stderr
+    )
+
+
+def test_a_listed_file_whose_tests_all_skip_must_still_be_collected(tmp_path: Path) -> None:
+    assert floors("test")["tests/test_cuda.py"] == 0  # every test there needs a GPU
+    result = run_passed(report_at_floors(tmp_path / "report.xml", "test", without="tests/test_cuda.py"), "test")
+    assert result.returncode == 1
+    assert "tests/test_cuda.py: at least 0 test(s) must pass on leg test, but it was not collected at all" in (
+        result.stderr
+    )
 
 
 def test_a_file_passing_fewer_tests_than_its_floor_fails_the_leg(tmp_path: Path) -> None:
     counts = floors("test-torch21")
-    file = next(iter(counts))
+    file = next(file for file, count in counts.items() if count > 0)
     counts[file] -= 1
     result = run_passed(write_report(tmp_path / "report.xml", counts, {file: 1}), "test-torch21")
     assert result.returncode == 1
@@ -92,9 +110,10 @@ def test_a_file_passing_fewer_tests_than_its_floor_fails_the_leg(tmp_path: Path)
 
 
 def test_more_skips_than_the_leg_allows_fail_it(tmp_path: Path) -> None:
-    counts = floors("test")
     limit = tomllib.loads((CI / "minimums.toml").read_text())["test"]["max_skipped"]
-    result = run_passed(write_report(tmp_path / "report.xml", counts, {"tests/test_cuda.py": limit + 1}), "test")
+    result = run_passed(
+        write_report(tmp_path / "report.xml", floors("test"), {"tests/test_cuda.py": limit + 1}), "test"
+    )
     assert result.returncode == 1
     assert f"{limit + 1} tests skipped on leg test, at most {limit} may" in result.stderr
 
@@ -103,13 +122,14 @@ def test_a_test_file_without_a_floor_fails_the_leg(tmp_path: Path) -> None:
     counts = {**floors("test-newest"), "tests/test_brand_new.py": 3}
     result = run_passed(write_report(tmp_path / "report.xml", counts), "test-newest")
     assert result.returncode == 1
+    assert result.stderr.count("  - ") == 1, result.stderr
     assert "tests/test_brand_new.py ran 3 test(s) but minimums.toml has no floor for it on leg test-newest" in (
         result.stderr
     )
 
 
 def test_a_failed_test_fails_the_leg_even_above_every_floor(tmp_path: Path) -> None:
-    report = write_report(tmp_path / "report.xml", floors("test"))
+    report = report_at_floors(tmp_path / "report.xml", "test")
     tree = ET.parse(report)
     suite = tree.getroot().find("testsuite")
     assert suite is not None
@@ -118,6 +138,7 @@ def test_a_failed_test_fails_the_leg_even_above_every_floor(tmp_path: Path) -> N
     tree.write(report)
     result = run_passed(report, "test")
     assert result.returncode == 1
+    assert result.stderr.count("  - ") == 1, result.stderr
     assert "failed: tests/test_data.py::test_broken" in result.stderr
 
 
