@@ -53,7 +53,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH) $(NEWEST_LIGHTNING)
-	$(VENV)/bin/pip install -q -e ".[dev]" $(NEWEST_LIGHTNING)
+	# [compare]: matplotlib, so that this leg also checks compare.png; the other legs check the report without it.
+	$(VENV)/bin/pip install -q -e ".[dev,compare]" $(NEWEST_LIGHTNING)
 	touch $@
 
 demo: $(VENV)/.installed

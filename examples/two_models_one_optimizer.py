@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--precision", default="amp-O1", help="apex-O0..O3, amp-O0..O3 or any Lightning value")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=0.05)
     # What `python -m torch.distributed.launch` without --use-env passes; envddp reads it, argparse must accept it.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = parser.parse_args()
@@ -94,7 +95,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(TwoModels(), loader)
+    trainer.fit(TwoModels(args.lr), loader)
     if trainer.is_global_zero:
         plugin = trainer.precision_plugin
         how = f"{plugin.backend} amp {plugin.opt_level}" if isinstance(plugin, AmpPrecision) else trainer.precision

@@ -29,7 +29,11 @@ UNDOCUMENTED_LIGHTNING = (
 #: Attributes without an underscore on Lightning objects that its documentation does not cover: its loops' parts.
 UNDOCUMENTED_ATTRIBUTES = ("epoch_loop", "batch_progress")
 #: Underscore attributes the package reads that are not Lightning's, and whose they are.
-NOT_LIGHTNING = {"_amp_stash": "apex amp's state on an optimizer", "_amp_lazy_init": "apex amp's optimizer hook"}
+NOT_LIGHTNING = {
+    "_amp_stash": "apex amp's state on an optimizer",
+    "_amp_lazy_init": "apex amp's optimizer hook",
+    "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare_recorder)",
+}
 
 
 def _module_name(path: Path) -> str:

@@ -119,7 +119,8 @@ def test_the_wheel_ships_the_type_marker_and_the_console_script(build: Build) ->
         scripts = wheel.read(entry_points).decode()
     assert "lightning_ddp_amp/py.typed" in names
     assert "lightning_ddp_amp/pytorch_lightning/__init__.pyi" in names  # the types of the pytorch_lightning flavour
-    assert "lightning-ddp-amp = lightning_ddp_amp.doctor:main" in scripts
+    assert "lightning_ddp_amp/_compare_site/sitecustomize.py" in names  # what `compare` puts on PYTHONPATH
+    assert "lightning-ddp-amp = lightning_ddp_amp.command:main" in scripts
 
 
 def test_the_build_uses_no_deprecated_setuptools_configuration(build: Build) -> None:

@@ -1,8 +1,8 @@
-"""``python -m lightning_ddp_amp env``: the environment doctor (:mod:`lightning_ddp_amp.doctor`)."""
+"""``python -m lightning_ddp_amp env`` / ``compare``: the ``lightning-ddp-amp`` command (:mod:`lightning_ddp_amp.command`)."""
 
 import sys
 
-from lightning_ddp_amp.doctor import main
+from lightning_ddp_amp.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -156,6 +156,13 @@ class AmpBackend(abc.ABC):
             The optimizer's return value and whether the step was skipped on overflow.
         """
 
+    def current_loss_scale(self) -> float | None:
+        """The scale of the next backward's loss (of the first loss scaler), or None without loss scaling.
+
+        Read from what the backend already holds on the host, so asking costs no device sync.
+        """
+        return None
+
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
         """The parameters the optimizer steps, which gradient clipping must see."""
         return (param for group in optimizer.param_groups for param in group["params"])

@@ -276,6 +276,11 @@ class ApexAmp(AmpBackend):
         if "master_weights" in state:
             self.load_master_weights(state["master_weights"])
 
+    @override
+    def current_loss_scale(self) -> float | None:
+        scalers = self.loss_scalers()
+        return float(scalers[0]["loss_scale"]) if scalers else None
+
     def loss_scalers(self) -> list[dict[str, float]]:
         """``amp.state_dict()`` as a list: ``loss_scale`` and ``unskipped`` of each loss's scaler."""
         if not self.initialized:

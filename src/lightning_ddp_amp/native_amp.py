@@ -350,6 +350,10 @@ class NativeAmp(AmpBackend):
         self.scaler.update(new_scale=scale)
         return scale
 
+    @override
+    def current_loss_scale(self) -> float | None:
+        return self._scale if self.scaler is not None else None
+
     def loss_scalers(self) -> list[dict[str, float]]:
         """The scaler's state in apex's terms (``loss_scale``, ``unskipped``), to move between backends."""
         if self.scaler is None:

@@ -197,6 +197,14 @@ class AmpPrecision(Precision):
         guarded = SkipAwareScheduler(config.scheduler, self.step_skipped)
         return dataclasses.replace(config, scheduler=guarded)  # type: ignore[arg-type]
 
+    @property
+    def current_loss_scale(self) -> float | None:
+        """The scale the next backward multiplies the loss by (the first loss scaler's); None without loss scaling.
+
+        It costs no device sync: both backends keep it on the host.
+        """
+        return self.amp_backend.current_loss_scale()
+
     def step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last step of ``optimizer`` was skipped because its gradients overflowed."""
         return self._skipped.get(id(optimizer), False)

@@ -181,6 +181,10 @@ class ApexAmp(AmpBackend):
         """Restore the loss scale(s), and O2's fp32 master weights, after ``amp.initialize`` as apex requires."""
         ...
 
+    @override
+    def current_loss_scale(self) -> float | None:
+        ...
+
     def loss_scalers(self) -> list[dict[str, float]]:
         """``amp.state_dict()`` as a list: ``loss_scale`` and ``unskipped`` of each loss's scaler."""
         ...

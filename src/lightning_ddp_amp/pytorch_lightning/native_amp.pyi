@@ -217,6 +217,10 @@ class NativeAmp(AmpBackend):
     def _clamp(self, scale: float) -> float:
         ...
 
+    @override
+    def current_loss_scale(self) -> float | None:
+        ...
+
     def loss_scalers(self) -> list[dict[str, float]]:
         """The scaler's state in apex's terms (``loss_scale``, ``unskipped``), to move between backends."""
         ...

@@ -135,6 +135,14 @@ class AmpPrecision(Precision):
     def _skip_aware(self, config: LRSchedulerConfig) -> LRSchedulerConfig:
         ...
 
+    @property
+    def current_loss_scale(self) -> float | None:
+        """The scale the next backward multiplies the loss by (the first loss scaler's); None without loss scaling.
+
+        It costs no device sync: both backends keep it on the host.
+        """
+        ...
+
     def step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last step of ``optimizer`` was skipped because its gradients overflowed."""
         ...

@@ -1,0 +1,154 @@
+"""``lightning-ddp-amp compare``: one training command under several precisions, and how far apart they land.
+
+::
+
+    lightning-ddp-amp compare apex-O1 amp-O1 bf16-mixed -- python train.py --lr 0.1
+    lightning-ddp-amp compare apex-O1 amp-O1 -- torchrun --nproc-per-node=8 train.py
+    lightning-ddp-amp compare 32-true 32-true -- python train.py --lr 0.1 -- python train.py --lr 0.11
+
+Each precision is a candidate; the first is the baseline. A precision is any ``Trainer(precision=...)`` value
+(``apex-O1``, ``amp-O1``, ``16-mixed``, ``bf16-mixed``, ``32-true``, ...) or, for compare only, ``native-O0`` …
+``native-O3``: torch's own AMP at that apex level even where apex is installed (where ``amp-O*`` runs apex). The candidates run one after the other, each as the
+user's own command, unchanged: the script need not import this package. What changes inside each run, and what it
+records, is :mod:`lightning_ddp_amp.compare_recorder`'s. One command serves every candidate; with as many commands as
+candidates (each after its own ``--``), candidate *i* runs command *i*.
+
+Afterwards :mod:`lightning_ddp_amp.compare_report` checks that the runs are comparable, and reports each candidate
+against the baseline: on the terminal, in ``DIR/compare.json`` and, with matplotlib, in ``DIR/compare.png``.
+
+Exit status: 0 when every candidate is close to the baseline; 1 when one is apart or failed; 2 when nothing could
+be compared (a usage error, a baseline that failed, or runs that did not start alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_ddp_amp import compare_report
+from lightning_ddp_amp.compare_recorder import PLAN_VARIABLE, Plan
+from lightning_ddp_amp.compare_report import Candidate, Tolerance
+
+#: ``--steps``: enough for a loss curve to settle into its trend on most models, short enough to run before a switch.
+DEFAULT_STEPS = 200
+#: Where ``sitecustomize`` waits for the script's Lightning import.
+SITE = Path(__file__).parent / "_compare_site"
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-ddp-amp compare",
+        description=__doc__.split("\n")[0].strip("`: ").split(": ", 1)[-1],
+        epilog="Then `--` and the training command, as you run it (python, torchrun, python -m, a LightningCLI"
+        " script); several commands, each after its own `--`, one per precision.",
+    )
+    parser.add_argument(
+        "precisions", nargs="+", metavar="PRECISION", help="Trainer(precision=...) values; the first is the baseline"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help=f"optimizer steps per run (default {DEFAULT_STEPS}, or the script's own max_steps if lower)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="the folder for every run and the report (default: compare-DATE-TIME here)"
+    )
+    parser.add_argument("--ckpt", type=Path, help="every candidate's fit starts from this checkpoint")
+    parser.add_argument(
+        "--tolerance",
+        type=Tolerance.parse,
+        default=Tolerance(),
+        metavar="LOSS[,WEIGHTS]",
+        help=f"beyond which a candidate is apart: the relative final-loss difference and the weight distance relative to"
+        f" the baseline's travel (default {Tolerance().loss},{Tolerance().weights}; one number sets both)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-ddp-amp compare ...``; returns the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options, commands = _split_commands(argv)
+    command_line = parser()
+    args = command_line.parse_args(options)
+    if len(args.precisions) < 2:
+        command_line.error(
+            f"PRECISION={args.precisions}: compare needs a baseline and at least one candidate. Fix: name two or more precisions, e.g. `compare apex-O1 amp-O1 -- ...`"
+        )
+    if not commands or not all(commands):
+        command_line.error(
+            "command=None: no training command after `--`. Fix: `lightning-ddp-amp compare apex-O1 amp-O1 -- python train.py`"
+        )
+    if len(commands) not in (1, len(args.precisions)):
+        command_line.error(
+            f"commands={len(commands)}: there are {len(args.precisions)} precisions. Fix: give one command for all, or one per precision, each after its own `--`"
+        )
+    if args.steps < 1:
+        command_line.error(f"--steps={args.steps}: a run needs at least one step. Fix: pass --steps 1 or more")
+    if args.ckpt is not None and not args.ckpt.is_file():
+        command_line.error(f"--ckpt={str(args.ckpt)!r}: no such file. Fix: pass the path of a checkpoint file")
+    out: Path = args.out or Path(f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and any(out.iterdir()):
+        command_line.error(
+            f"--out={str(out)!r}: the folder is not empty, and its runs' checkpoints could be resumed. Fix: name a new folder"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    candidates = _candidates(args.precisions, commands, out.resolve())
+    for index, candidate in enumerate(candidates):
+        print(f"compare [{index + 1}/{len(candidates)}] {candidate.name}: {shlex.join(candidate.command)}", flush=True)
+        candidate.returncode = _run(
+            candidate, args.steps, None if args.ckpt is None else str(args.ckpt.resolve()), index == 0
+        )
+    report = compare_report.build(candidates, args.tolerance, steps=args.steps, argv=argv)
+    print(compare_report.render(report))
+    return compare_report.write(report, out)
+
+
+def _split_commands(argv: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The options before the first ``--``, and each command after a ``--``."""
+    if "--" not in argv:
+        return argv, []
+    first = argv.index("--")
+    commands: list[list[str]] = [[]]
+    for word in argv[first + 1 :]:
+        if word == "--":
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return argv[:first], commands
+
+
+def _candidates(precisions: list[str], commands: list[list[str]], out: Path) -> list[Candidate]:
+    candidates = []
+    for index, precision in enumerate(precisions):
+        repeat = precisions[:index].count(precision)
+        name = precision if not repeat else f"{precision}#{repeat + 1}"
+        folder = out / f"{index + 1}-{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}"
+        command = commands[index] if len(commands) > 1 else commands[0]
+        candidates.append(Candidate(name=name, precision=precision, command=command, directory=folder))
+    return candidates
+
+
+def _run(candidate: Candidate, steps: int, ckpt: str | None, baseline: bool) -> int:
+    """Run the candidate's command with the compare site first on PYTHONPATH; returns its exit status."""
+    candidate.directory.mkdir(parents=True)
+    plan_file = candidate.directory / "plan.json"
+    Plan(candidate.name, candidate.precision, steps, str(candidate.directory), ckpt, save_start=baseline).write(
+        plan_file
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
+    env[PLAN_VARIABLE] = str(plan_file)
+    try:
+        return subprocess.run(candidate.command, env=env, check=False).returncode
+    except OSError as error:
+        candidate.error = f"{type(error).__name__}: {error}"
+        return 127

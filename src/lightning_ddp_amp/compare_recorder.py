@@ -1,0 +1,396 @@
+"""Inside each run of ``lightning-ddp-amp compare``: the Trainer the script builds, and what each optimizer step did.
+
+:mod:`lightning_ddp_amp.compare` starts the user's command with ``_compare_site`` first on ``PYTHONPATH`` and a
+plan file named in ``LIGHTNING_DDP_AMP_COMPARE``; that folder's ``sitecustomize`` calls :func:`patch` as soon as the
+script imports ``lightning`` or ``pytorch_lightning``. From then on every ``Trainer(...)`` of the script is built
+with these changes, which rank 0 lists once when ``fit`` starts:
+
+* ``precision`` becomes the candidate's, and any precision plugin in ``plugins`` is removed (Lightning refuses
+  both at once);
+* ``max_steps`` becomes the plan's number of steps, unless the script asks for fewer;
+* ``default_root_dir``, every ``ModelCheckpoint`` with a ``dirpath``, and CSV and TensorBoard loggers point into the
+  candidate's folder; any other logger is turned off, since it cannot be pointed elsewhere. LightningCLI saves its
+  config in the log directory, so it lands there too;
+* ``fit`` starts from the plan's checkpoint when the script passes no ``ckpt_path``;
+* a :class:`Recording` callback is added.
+
+A *step* is one call of an optimizer's ``step`` through Lightning, skipped AMP steps included; that is what
+Lightning's ``global_step`` and ``max_steps`` count, and ``max_steps`` ends ``fit`` even before ``min_steps`` or
+``min_epochs`` (those only hold back ``should_stop``). Per step the callback keeps, on the device: the loss
+(the sum of the losses given to backward since the previous step, so the mean of an accumulation window), the
+global norm of the gradients of what the optimizer steps (before clipping, after unscaling), the loss scale, whether
+the step was skipped, the learning rate and the step's time (CUDA events on a GPU). Nothing of it is read back
+until ``fit`` ends; then one ``all_gather_object`` brings every rank's record to rank 0, which writes ``record.json``
+and the final weights. The module imports no Lightning namespace itself: :func:`patch` is given one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import re
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+#: The environment variable naming a run's plan file (``_compare_site/sitecustomize.py`` reads it too).
+PLAN_VARIABLE = "LIGHTNING_DDP_AMP_COMPARE"
+#: What a run writes into its folder: the gathered record, the final weights, and (baseline only) the first ones.
+RECORD_FILE = "record.json"
+FINAL_WEIGHTS = "weights-final.pt"
+START_WEIGHTS = "weights-start.pt"
+_MARK = "__lightning_ddp_amp_compare__"
+#: ``native-O0`` … ``native-O3``: accepted by compare only, as ``AmpPrecision(opt_level=..., backend="native")``.
+NATIVE_LEVEL = re.compile(r"^native-(O[0-3])$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one candidate run changes, written by ``compare`` as ``plan.json`` in the candidate's folder.
+
+    Args:
+        candidate: The candidate's name in messages and the report.
+        precision: The ``Trainer(precision=...)`` value to train with.
+        steps: The most optimizer steps to take.
+        directory: The candidate's folder, for checkpoints, logs and the record.
+        ckpt: The checkpoint ``fit`` starts from when the script passes none.
+        save_start: Also save the weights as they are before the first step (the baseline does, for distances).
+    """
+
+    candidate: str
+    precision: str
+    steps: int
+    directory: str
+    ckpt: str | None = None
+    save_start: bool = False
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+
+    @classmethod
+    def read(cls, path: str | Path) -> Plan:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+@dataclasses.dataclass
+class Changes:
+    """What the patched Trainer changed, as rank 0 says it and the report lists it."""
+
+    replaced: list[str] = dataclasses.field(default_factory=list)
+    turned_off: list[str] = dataclasses.field(default_factory=list)
+
+    def describe(self, candidate: str) -> str:
+        lines = [f"lightning-ddp-amp compare [{candidate}]: this run's Trainer was changed:"]
+        lines += [f"  {line}" for line in self.replaced]
+        lines += [f"  turned off {name}: it cannot write into the candidate's folder" for name in self.turned_off]
+        return "\n".join(lines)
+
+
+def patch(namespace: str, plan_file: str) -> None:
+    """Patch ``Trainer.__init__`` and ``Trainer.fit`` of ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``).
+
+    Importing :mod:`lightning_ddp_amp` first registers ``"envddp"`` and the ``"apex-O*"`` / ``"amp-O*"`` values, so
+    a script that never imports the package can be compared under them. Idempotent.
+    """
+    import lightning_ddp_amp  # noqa: F401  (registers the strategy and the precision values)
+
+    module = sys.modules[namespace]
+    pl: Any = module.pytorch if namespace == "lightning" else module  # lightning.pytorch, or pytorch_lightning
+    trainer_class = pl.Trainer
+    if getattr(trainer_class.__init__, _MARK, False):
+        return
+    plan = Plan.read(plan_file)
+    recording_class = type("CompareRecording", (Recording, pl.Callback), {})
+    init, fit = trainer_class.__init__, trainer_class.fit
+    init_signature, fit_signature = inspect.signature(init), inspect.signature(fit)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = init_signature.bind(self, *args, **kwargs).arguments
+        changes = Changes()
+        _replace_arguments(given, init_signature, plan, changes, pl)
+        given["callbacks"] = [*_as_list(given.get("callbacks")), recording_class(plan, changes)]
+        init(given.pop("self"), **given)
+        _redirect_checkpoints(self, plan, changes, pl)
+
+    @functools.wraps(fit)
+    def fit_from_plan(self: Any, *args: Any, **kwargs: Any) -> Any:
+        given = fit_signature.bind(self, *args, **kwargs).arguments
+        if plan.ckpt is not None and given.get("ckpt_path") is None:
+            given["ckpt_path"] = plan.ckpt
+        return fit(given.pop("self"), **given)
+
+    setattr(__init__, _MARK, True)
+    trainer_class.__init__ = __init__
+    trainer_class.fit = fit_from_plan
+
+
+def _replace_arguments(
+    given: dict[str, Any], signature: inspect.Signature, plan: Plan, changes: Changes, pl: Any
+) -> None:
+    """Change the Trainer's arguments as the module docstring lists; only given names are passed on, so Lightning's
+    ``PL_TRAINER_*`` environment defaults still apply to the rest."""
+
+    def value(name: str) -> Any:
+        return given.get(name, signature.parameters[name].default)
+
+    changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
+    plugins = _as_list(value("plugins"))
+    removed = [plugin for plugin in plugins if isinstance(plugin, pl.plugins.precision.Precision)]
+    if removed:
+        plugins = [plugin for plugin in plugins if plugin not in removed]
+        changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
+    native = NATIVE_LEVEL.match(plan.precision)
+    if native is None:
+        given["precision"] = plan.precision
+    else:  # compare's own spelling: torch's AMP at an apex level, even where apex is installed
+        given["precision"] = None
+        plugins.append(_amp_precision(pl)(opt_level=native.group(1), backend="native"))
+    if removed or native is not None:
+        given["plugins"] = plugins
+    max_steps = value("max_steps")
+    if max_steps is None or max_steps < 0 or max_steps > plan.steps:
+        changes.replaced.append(f"max_steps={max_steps!r} -> {plan.steps}")
+        given["max_steps"] = plan.steps
+    changes.replaced.append(f"default_root_dir={value('default_root_dir')!r} -> {plan.directory!r}")
+    given["default_root_dir"] = plan.directory
+    logger = value("logger")
+    if logger not in (None, True, False):
+        kept = []
+        for each in _as_list(logger):
+            if isinstance(each, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
+                logs = os.path.join(plan.directory, "logs")
+                kept.append(type(each)(save_dir=logs, name=each.name))
+                changes.replaced.append(f"{type(each).__name__} writes to {logs!r}")
+            else:
+                changes.turned_off.append(type(each).__name__)
+        given["logger"] = kept or False
+
+
+def _amp_precision(pl: Any) -> Any:
+    """AmpPrecision of the namespace the Trainer belongs to."""
+    package = "lightning_ddp_amp.pytorch_lightning" if pl.__name__ == "pytorch_lightning" else "lightning_ddp_amp"
+    return importlib.import_module(package).AmpPrecision
+
+
+def ran_as(plugin: Any) -> str:
+    """What a precision plugin trains with, in a few words: ``"native amp O1"``, ``"MixedPrecision 16-mixed"``."""
+    if hasattr(plugin, "amp_backend"):
+        return f"{plugin.backend} amp {plugin.opt_level}"
+    return f"{type(plugin).__name__} {getattr(plugin, 'precision', '')}".strip()
+
+
+def _redirect_checkpoints(trainer: Any, plan: Plan, changes: Changes, pl: Any) -> None:
+    """Every ModelCheckpoint with its own ``dirpath`` saves into the candidate's folder instead (so ``auto_resume``,
+    which reads those directories, only ever finds this candidate's checkpoints)."""
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath]
+    for index, callback in enumerate(callbacks):
+        folder = os.path.join(plan.directory, "checkpoints" if len(callbacks) == 1 else f"checkpoints-{index}")
+        changes.replaced.append(f"ModelCheckpoint(dirpath={callback.dirpath!r}) -> {folder!r}")
+        callback.dirpath = folder
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class Recording:
+    """The callback of a compare run; :func:`patch` mixes it with the namespace's ``Callback``."""
+
+    def __init__(self, plan: Plan, changes: Changes) -> None:
+        self.plan = plan
+        self.changes = changes
+        self._active = False
+        self.weights_hash: str | None = None
+        self.batch_hash: str | None = None
+        self._pending_loss: Tensor | None = None
+        self._loss: list[Tensor] = []
+        self._grad_norm: list[Tensor] = []
+        self._loss_scale: list[Tensor | float | None] = []
+        self._skipped: list[Tensor | bool] = []
+        self._lr: list[float] = []
+        self._step: list[int] = []
+        self._times: list[tuple[Any, Any]] = []
+        self._opened: Any = None
+        self._stepped: list[tuple[int, Any]] = []  # (index, optimizer) of this batch's steps
+
+    # -- hooks -------------------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self._active:
+            return
+        self._active = True
+        if trainer.global_rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            print(self.changes.describe(self.plan.candidate), file=sys.stderr, flush=True)
+        strategy = trainer.strategy
+        setup, backward = strategy.setup, strategy.backward
+
+        def setup_after_restore(trainer_: Any) -> None:
+            # Lightning restores a checkpoint's weights before strategy.setup, which casts (precision plugins) and
+            # broadcasts (DDP): the one point where every candidate must hold the same weights.
+            state = pl_module.state_dict()
+            self.weights_hash = _hash_tensors(state)
+            if self.plan.save_start and trainer.global_rank == 0:
+                _save_fp32(state, Path(self.plan.directory) / START_WEIGHTS)
+            setup(trainer_)
+
+        def recorded_backward(closure_loss: Tensor, *args: Any, **kwargs: Any) -> Any:
+            loss = closure_loss.detach().float()
+            self._pending_loss = loss if self._pending_loss is None else self._pending_loss + loss
+            return backward(closure_loss, *args, **kwargs)
+
+        strategy.setup, strategy.backward = setup_after_restore, recorded_backward
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.batch_hash is None:
+            self.batch_hash = _hash_tensors(dict(enumerate(_tensors(batch))))
+        if self._opened is None:
+            self._opened = _now(pl_module.device)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) for grad in grads]
+        device = grads[0].device if grads else pl_module.device
+        self._grad_norm.append(
+            torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+        )
+        loss = self._pending_loss
+        self._loss.append(loss if loss is not None else torch.full((), float("nan"), device=device))
+        self._pending_loss = None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if hasattr(trainer.precision_plugin, "amp_backend"):  # AmpPrecision keeps the scale on the host
+            self._loss_scale.append(trainer.precision_plugin.current_loss_scale)
+        elif scaler is not None:  # Lightning's MixedPrecision: torch's GradScaler, read without a sync
+            self._loss_scale.append(_grad_scaler_scale(scaler))
+        else:
+            self._loss_scale.append(None)
+        self._lr.append(float(optimizer.param_groups[0]["lr"]))
+        self._step.append(int(trainer.global_step))
+        self._stepped.append((len(self._step) - 1, optimizer))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._stepped:
+            return  # an accumulation window goes on
+        closed = _now(pl_module.device)
+        plugin = trainer.precision_plugin
+        for index, optimizer in self._stepped:
+            self._times.append((self._opened, closed))
+            scale = self._loss_scale[index]
+            if hasattr(plugin, "step_skipped"):
+                self._skipped.append(bool(plugin.step_skipped(optimizer)))
+            elif isinstance(scale, Tensor):  # torch's scaler backs off exactly when it skipped the step
+                self._skipped.append(_grad_scaler_scale(plugin.scaler) < scale)
+            else:
+                self._skipped.append(False)
+        self._stepped = []
+        self._opened = None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        record = self._rank_record(trainer, pl_module)
+        records = [record]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            records = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(records, record)
+        if trainer.global_rank != 0:
+            return
+        folder = Path(self.plan.directory)
+        _save_fp32(pl_module.state_dict(), folder / FINAL_WEIGHTS)
+        document = {
+            "candidate": self.plan.candidate,
+            "precision": self.plan.precision,
+            "world_size": len(records),
+            "ran_as": ran_as(trainer.precision_plugin),
+            "replaced": self.changes.replaced,
+            "turned_off": self.changes.turned_off,
+            "ranks": sorted(records, key=lambda r: r["rank"]),
+        }
+        temporary = folder / f"{RECORD_FILE}.tmp"
+        temporary.write_text(json.dumps(document))
+        temporary.replace(folder / RECORD_FILE)
+
+    # -- the record --------------------------------------------------------------------------------------------------
+
+    def _rank_record(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+        """This rank's series, read back from the device once."""
+        device = pl_module.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            times = [start.elapsed_time(end) / 1000 for start, end in self._times]
+            peak = int(torch.cuda.max_memory_allocated(device))
+        else:
+            times = [end - start for start, end in self._times]
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return {
+            "rank": int(trainer.global_rank),
+            "weights_hash": self.weights_hash,
+            "batch_hash": self.batch_hash,
+            "step": self._step,
+            "loss": _floats(self._loss),
+            "grad_norm": _floats(self._grad_norm),
+            "loss_scale": [None if s is None else float(s) for s in self._loss_scale],
+            "skipped": [bool(s) for s in self._skipped],
+            "lr": self._lr,
+            "step_time_s": times,
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "process_max_rss",
+        }
+
+
+def _floats(values: list[Tensor]) -> list[float]:
+    return torch.stack(values).cpu().tolist() if values else []
+
+
+def _now(device: torch.device) -> Any:
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _grad_scaler_scale(scaler: Any) -> Tensor:
+    """The scale of torch's GradScaler, as a device tensor. Why the private method: ``get_scale()`` syncs."""
+    scale: Tensor = scaler._get_scale_async().detach().clone()
+    return scale
+
+
+def _tensors(data: Any) -> Iterator[Tensor]:
+    """Every tensor in a batch, in order (tensors, mappings, sequences, dataclasses)."""
+    if isinstance(data, Tensor):
+        yield data
+    elif isinstance(data, dict):
+        for key in sorted(data, key=str):
+            yield from _tensors(data[key])
+    elif isinstance(data, (list, tuple)):
+        for item in data:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(data) and not isinstance(data, type):
+        for field in dataclasses.fields(data):
+            yield from _tensors(getattr(data, field.name))
+
+
+def _hash_tensors(tensors: dict[Any, Tensor]) -> str:
+    """SHA-256 of names, dtypes, shapes and bytes, so equal only for bit-identical tensors."""
+    digest = hashlib.sha256()
+    for name, tensor in tensors.items():
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _save_fp32(state: dict[str, Tensor], path: Path) -> None:
+    floats = {name: t.detach().float().cpu() for name, t in state.items() if torch.is_floating_point(t)}
+    torch.save(floats, path)

@@ -1,0 +1,345 @@
+"""``lightning-ddp-amp compare``: the user's command, run unchanged under each precision, and the report on them.
+
+The runs are real: one-process runs of ``workers/compare_train.py`` (a plain Lightning script that never imports the
+package) and two ranks under torchrun of ``examples/two_models_one_optimizer.py``. The report's numbers are checked
+against a plain-torch loop with formulas written here, not against compare's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import WORKERS, needs_cpu_fp16, worker_env
+
+from lightning_ddp_amp import compare, compare_report
+from lightning_ddp_amp.compare_recorder import FINAL_WEIGHTS, PLAN_VARIABLE
+
+REPO = Path(__file__).parent.parent
+SCRIPT = str(WORKERS / "compare_train.py")
+EXAMPLE = str(REPO / "examples" / "two_models_one_optimizer.py")
+SCHEMA = json.loads((REPO / "docs" / "compare.schema.json").read_text())
+STEPS = 12
+
+
+def run_compare(
+    cwd: Path, *args: str, apex_double: bool = False, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_ddp_amp compare ARGS`` in ``cwd``, output merged; a hang fails after ``timeout``."""
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_ddp_amp", "compare", *args],
+        cwd=cwd,
+        env=worker_env(apex_double=apex_double),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def script(*args: str) -> list[str]:
+    return ["--", sys.executable, SCRIPT, *args]
+
+
+def candidate(report: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = (entry for entry in report["candidates"] if entry["name"] == name)
+    return found
+
+
+def relative(value: float, reference: float) -> float:
+    return abs(value - reference) / abs(reference)
+
+
+class LearningRates:
+    """One compare of the same script at lr 0.1 (twice) and 0.11, with min_steps far beyond --steps, and two
+    candidates that fail: one crashes, one runs apex under Lightning's ddp strategy, which the package refuses."""
+
+    def __init__(self, root: Path) -> None:
+        self.cwd = root
+        same = script("--min-steps", "1000")
+        self.result = run_compare(
+            root, "32-true", "32-true", "32-true", "32-true", "apex-O1", "--steps", str(STEPS), "--out", "out",
+            *same, *same, *script("--min-steps", "1000", "--lr", "0.11"), *script("--crash-at", "1"),
+            *script("--strategy", "ddp"),
+            apex_double=True,
+        )  # fmt: skip
+        self.out = root / "out"
+        self.report = json.loads((self.out / "compare.json").read_text())
+        self.compared = [entry for entry in self.report["candidates"] if entry["status"] != "failed"]
+
+
+@pytest.fixture(scope="module")
+def learning_rates(tmp_path_factory: pytest.TempPathFactory) -> LearningRates:
+    return LearningRates(tmp_path_factory.mktemp("learning_rates"))
+
+
+def test_each_run_stops_after_the_steps_asked_even_below_the_scripts_min_steps(learning_rates: LearningRates) -> None:
+    for entry in learning_rates.compared:
+        assert entry["series"]["step"] == list(range(STEPS)), learning_rates.result.stdout[-3000:]
+
+
+def test_a_candidate_apart_exits_1_and_names_the_first_step_it_left_the_tolerance(
+    learning_rates: LearningRates,
+) -> None:
+    report, output = learning_rates.report, learning_rates.result.stdout
+    assert learning_rates.result.returncode == 1, output[-3000:]
+    same, faster = candidate(report, "32-true#2"), candidate(report, "32-true#3")
+    assert same["status"] == "close" and same["summary"]["weight_distance"] == 0
+    assert faster["status"] == "apart"
+    base = candidate(report, "32-true")["series"]["loss"]
+    expected = next(
+        i for i, (a, b) in enumerate(zip(faster["series"]["loss"], base, strict=True)) if relative(a, b) > 0.02
+    )
+    assert faster["summary"]["first_step_apart"] == expected
+    assert "32-true#3: APART: " in output
+    assert any(
+        line.startswith("first step apart") and line.split()[-1] == str(expected) for line in output.splitlines()
+    )
+
+
+def test_the_report_agrees_with_a_plain_torch_loop(learning_rates: LearningRates) -> None:
+    sys.path.insert(0, str(WORKERS))
+    try:
+        from compare_train import build
+    finally:
+        sys.path.remove(str(WORKERS))
+
+    def train(lr: float) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        model, loader = build(lr)
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        batches, losses = list(loader), []
+        for step in range(STEPS):
+            x, y, _ = batches[step % len(batches)]
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model.net(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, start, model.state_dict()
+
+    base_losses, start, base = train(0.1)
+    losses, _, weights = train(0.11)
+    tail = max(1, STEPS // 10)  # the documented final loss: the mean of the last tenth of the steps
+    final_difference = relative(sum(losses[-tail:]) / tail, sum(base_losses[-tail:]) / tail)
+    apart = math.sqrt(sum(float((weights[k] - base[k]).square().sum()) for k in base))
+    travel = math.sqrt(sum(float((base[k] - start[k]).square().sum()) for k in base))
+    summary = candidate(learning_rates.report, "32-true#3")["summary"]
+    assert summary["final_loss_relative_difference"] == pytest.approx(final_difference, rel=1e-4)
+    assert summary["weight_distance"] == pytest.approx(apart / travel, rel=1e-4)
+    assert candidate(learning_rates.report, "32-true")["series"]["loss"] == pytest.approx(base_losses, rel=1e-5)
+
+
+def test_files_go_to_each_candidates_folder_never_to_the_scripts(learning_rates: LearningRates) -> None:
+    assert sorted(path.name for path in learning_rates.cwd.iterdir()) == ["out"]  # no script_logs, script_checkpoints
+    for entry in learning_rates.compared:
+        folder = Path(entry["directory"])
+        assert list((folder / "checkpoints").glob("*.ckpt")), entry["name"]
+        assert (folder / "logs" / "lightning_logs" / "version_0").is_dir(), entry["name"]  # the CSVLogger
+        assert (folder / FINAL_WEIGHTS).is_file()
+
+
+def test_rank_zero_says_once_what_was_replaced(learning_rates: LearningRates) -> None:
+    output = learning_rates.result.stdout
+    for name in ("32-true", "32-true#2", "32-true#3"):
+        assert output.count(f"lightning-ddp-amp compare [{name}]: this run's Trainer was changed:") == 1
+    assert f"max_steps=-1 -> {STEPS}" in output
+    assert "ModelCheckpoint(dirpath=" in output and "CSVLogger writes to" in output
+
+
+def test_compare_json_follows_the_documented_schema(learning_rates: LearningRates) -> None:
+    assert learning_rates.report["versions"]["torch"] == torch.__version__
+    assert learning_rates.report["command"][:2] == ["lightning-ddp-amp", "compare"]
+    assert_matches(learning_rates.report, SCHEMA)
+
+
+def test_the_picture_has_four_titled_panels_whose_series_equal_the_json(learning_rates: LearningRates) -> None:
+    image = pytest.importorskip("matplotlib.image", reason="the [compare] extra is not installed (make test has it)")
+
+    picture = image.imread(learning_rates.out / "compare.png")
+    assert picture.shape[:2] == (800, 1200)
+    figure = compare_report.plot(learning_rates.report, learning_rates.cwd / "again.png")
+    assert [axis.get_title() for axis in figure.axes] == [title for title, _ in compare_report.PANELS]
+    for axis, (_, key) in zip(figure.axes, compare_report.PANELS, strict=True):
+        lines = {line.get_label(): line for line in axis.get_lines() if not line.get_label().startswith("_")}
+        assert sorted(lines) == ["32-true", "32-true#2", "32-true#3"]
+        for name, line in lines.items():
+            series = candidate(learning_rates.report, name)["series"]
+            assert list(line.get_xdata()) == series["step"]
+            expected = [math.nan if value is None else value for value in series[key]]
+            assert list(line.get_ydata()) == pytest.approx(expected, nan_ok=True)
+
+
+def test_without_matplotlib_the_table_and_json_are_written_and_one_line_says_how_to_get_the_picture(
+    learning_rates: LearningRates, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    assert compare_report.write(learning_rates.report, tmp_path) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["compare.json"]
+    assert (
+        'no picture: matplotlib is not installed (pip install "lightning-ddp-amp[compare]")' in capsys.readouterr().out
+    )
+
+
+def test_an_unseeded_script_is_not_compared_and_the_error_names_the_fix(tmp_path: Path) -> None:
+    result = run_compare(tmp_path, "32-true", "32-true", "--steps", "1", "--out", "out", *script("--unseeded"))
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert (
+        "NOT COMPARED: the model's initial weights differ between runs (rank 0: 32-true#2 against the baseline"
+        in result.stdout
+    )
+    assert "lightning.seed_everything(...)" in result.stdout
+    assert "final loss" not in result.stdout.split("NOT COMPARED")[0].rsplit("compare: 2 runs", 1)[-1]
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert not report["comparable"] and all(entry["summary"] is None for entry in report["candidates"])
+
+
+def test_failed_candidates_are_named_with_their_error_and_the_others_still_compared(
+    learning_rates: LearningRates,
+) -> None:
+    output = learning_rates.result.stdout
+    assert "32-true#4: FAILED: RuntimeError in the script: the model crashed at step 1" in output
+    # The package's own refusal of apex under a strategy that wraps the model before the precision plugin runs.
+    assert "apex-O1: FAILED: PrecisionConfigurationError in the script: strategy=" in output
+    statuses = [entry["status"] for entry in learning_rates.report["candidates"]]
+    assert statuses == ["baseline", "close", "apart", "failed", "failed"]
+
+
+@pytest.mark.multiprocess
+@needs_cpu_fp16
+def test_apex_and_native_amp_are_close_on_the_example_under_torchrun_and_a_10_percent_lr_is_apart(
+    tmp_path: Path,
+) -> None:
+    """The pinned defaults: apex-O1 (the double) against torch's AMP at O1 is close; the learning rate 10% off is
+    apart. amp-O1 would run apex here (the double is installed), so torch's AMP is named native-O1."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", EXAMPLE]
+    result = run_compare(
+        tmp_path, "apex-O1", "native-O1", "32-true", "apex-O1", "--steps", "20", "--out", "out",
+        "--", *torchrun, "--", *torchrun, "--", *torchrun, "--", *torchrun, "--lr", "0.055",
+        apex_double=True,
+    )  # fmt: skip
+    output = result.stdout
+    assert result.returncode == 1, output[-4000:]
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert [entry["ran_as"] for entry in report["candidates"]] == [
+        "apex amp O1",
+        "native amp O1",
+        "Precision 32-true",
+        "apex amp O1",
+    ]
+    assert [entry["status"] for entry in report["candidates"]] == ["baseline", "close", "close", "apart"]
+    for entry in report["candidates"]:
+        assert entry["world_size"] == 2 and len(entry["series"]["loss_by_rank"]) == 2
+        assert entry["series"]["step"] == list(range(20))
+        assert output.count(f"lightning-ddp-amp compare [{entry['name']}]: this run's Trainer was changed:") == 1
+    assert candidate(report, "apex-O1")["series"]["loss_scale"][0] == 2.0**16
+
+
+@pytest.mark.multiprocess
+def test_a_self_launched_lightning_cli_script_is_compared_and_only_rank_zero_says_what_was_replaced(
+    tmp_path: Path,
+) -> None:
+    """``python train.py fit --config ...`` with ``devices: 2``: envddp starts the ranks through torchrun, and the
+    process that was started becomes torchrun's agent, which builds a Trainer too but never trains."""
+    cli = str(REPO / "examples" / "cli" / "train.py")
+    config = str(REPO / "examples" / "cli" / "amp_o1.yaml")
+    result = run_compare(
+        tmp_path, "32-true", "bf16-mixed", "--steps", "3", "--out", "out",
+        "--", sys.executable, cli, "fit", "--config", config, "--seed_everything", "0", "--trainer.devices", "2",
+    )  # fmt: skip
+    output = result.stdout
+    assert result.returncode == 0, output[-4000:]
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert [(entry["status"], entry["world_size"]) for entry in report["candidates"]] == [("baseline", 2), ("close", 2)]
+    for entry in report["candidates"]:
+        assert output.count(f"lightning-ddp-amp compare [{entry['name']}]: this run's Trainer was changed:") == 1
+        assert (Path(entry["directory"]) / "config.yaml").is_file()  # LightningCLI's saved config
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["32-true", "--", "python", "t.py"],
+            "PRECISION=['32-true']: compare needs a baseline and at least one candidate",
+        ),
+        (["32-true", "16-mixed"], "command=None: no training command after `--`"),
+        (["a", "b", "c", "--", "x", "--", "y"], "commands=2: there are 3 precisions"),
+        (["a", "b", "--steps", "0", "--", "x"], "--steps=0: a run needs at least one step"),
+        (["a", "b", "--tolerance", "x", "--", "x"], "--tolerance='x': expected one or two positive numbers"),
+        (["a", "b", "--ckpt", "missing.ckpt", "--", "x"], "--ckpt='missing.ckpt': no such file"),
+    ],
+)
+def test_a_usage_error_names_the_field_the_value_and_the_fix(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        compare.main(argv)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and ("Fix:" in error)
+
+
+def test_an_out_folder_that_holds_files_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "old.ckpt").write_text("")
+    with pytest.raises(SystemExit):
+        compare.main(["a", "b", "--out", str(tmp_path), "--", "x"])
+    assert f"--out={str(tmp_path)!r}: the folder is not empty" in capsys.readouterr().err
+
+
+def test_nothing_of_compare_is_active_outside_it(tmp_path: Path) -> None:
+    assert not hasattr(pl.Trainer.__init__, "__lightning_ddp_amp_compare__")  # this process imported the package
+    # With compare's folder on the path but no plan, sitecustomize installs nothing and leaves the Trainer alone.
+    probe = (
+        "import sys, lightning.pytorch as pl, lightning_ddp_amp;"
+        "print(hasattr(pl.Trainer.__init__, '__lightning_ddp_amp_compare__'),"
+        " [type(f).__name__ for f in sys.meta_path if 'Lightning' in type(f).__name__], sys.excepthook is sys.__excepthook__)"
+    )
+    env = worker_env({"PYTHONPATH": str(compare.SITE)})
+    env.pop(PLAN_VARIABLE, None)
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False [] True", result.stderr[-2000:]
+
+
+def test_a_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import builtins; builtins.SHADOWED_RAN = True\n")
+    env = worker_env({"PYTHONPATH": f"{compare.SITE}:{tmp_path}", PLAN_VARIABLE: str(tmp_path / "plan.json")})
+    probe = "import builtins, sys; print(getattr(builtins, 'SHADOWED_RAN', False), sys.excepthook.__name__)"
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["True", "_record_uncaught"], result.stderr[-2000:]
+
+
+def assert_matches(value: Any, schema: dict[str, Any], where: str = "compare.json") -> None:
+    """A small JSON Schema check (type, enum, required, properties, items): enough for docs/compare.schema.json."""
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    if "enum" in schema:
+        assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
+        return
+    allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+
+    def fits(kind: str) -> bool:
+        if kind == "integer":
+            return isinstance(value, int) and not isinstance(value, bool)
+        if kind == "number":
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, types[kind])
+
+    assert any(fits(kind) for kind in allowed), f"{where}: {value!r} is not {allowed}"
+    if isinstance(value, dict):
+        missing = set(schema.get("required", ())) - set(value)
+        assert not missing, f"{where}: lacks {sorted(missing)}"
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                assert_matches(value[key], sub, f"{where}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            assert_matches(item, schema["items"], f"{where}[{index}]")

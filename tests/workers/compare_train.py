@@ -1,0 +1,70 @@
+"""A plain Lightning training script for ``lightning-ddp-amp compare`` tests; it never imports lightning_ddp_amp.
+
+Run as the user would (``python compare_train.py --lr 0.1``); compare changes its Trainer from the outside.
+"""
+
+import argparse
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+try:
+    from common import dataset
+except ImportError:  # imported as tests.workers.compare_train
+    from tests.workers.common import dataset
+
+
+class Regression(L.LightningModule):
+    def __init__(self, lr: float, crash_at: int | None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.lr = lr
+        self.crash_at = crash_at
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.crash_at:
+            raise RuntimeError(f"the model crashed at step {self.global_step}")
+        x, y, _ = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def build(lr: float, seeded: bool = True, crash_at: int | None = None) -> tuple[Regression, DataLoader]:
+    """The model and loader, built in the order the script builds them (the tests' plain loop reuses it)."""
+    if seeded:
+        torch.manual_seed(0)
+    model = Regression(lr, crash_at)
+    return model, DataLoader(dataset(64, seed=1), batch_size=8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--unseeded", action="store_true")
+    parser.add_argument("--crash-at", type=int)
+    parser.add_argument("--min-steps", type=int)
+    parser.add_argument("--epochs", type=int, default=50)
+    parser.add_argument("--strategy", default="auto")
+    args = parser.parse_args()
+    model, loader = build(args.lr, seeded=not args.unseeded, crash_at=args.crash_at)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=args.strategy,
+        precision=args.precision,
+        max_epochs=args.epochs,
+        min_steps=args.min_steps,
+        logger=L.pytorch.loggers.CSVLogger("script_logs"),
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath="script_checkpoints", every_n_train_steps=5)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader)
+
+
+if __name__ == "__main__":
+    main()
