@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +33,16 @@ STEPS = 12
 def run_compare(
     cwd: Path, *args: str, apex_double: bool = False, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m lightning_ddp_amp compare ARGS`` in ``cwd``, output merged; a hang fails after ``timeout``."""
+    """``python -m lightning_ddp_amp compare ARGS`` in ``cwd``, output merged; a hang fails after ``timeout``.
+
+    The checkout is on ``PYTHONPATH``, so that a command may also be ``python -m tests.workers.compare_train``.
+    """
+    env = worker_env(apex_double=apex_double)
+    env["PYTHONPATH"] = os.pathsep.join([*filter(None, [env.get("PYTHONPATH")]), str(REPO)])
     return subprocess.run(
         [sys.executable, "-m", "lightning_ddp_amp", "compare", *args],
         cwd=cwd,
-        env=worker_env(apex_double=apex_double),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -58,15 +64,16 @@ def relative(value: float, reference: float) -> float:
 
 
 class LearningRates:
-    """One compare of the same script at lr 0.1 (twice) and 0.11, with min_steps far beyond --steps, and two
+    """One compare of the same script at lr 0.1 (twice: run as a file, and as ``python -m``) and 0.11, with min_steps far beyond --steps, and two
     candidates that fail: one crashes, one runs apex under Lightning's ddp strategy, which the package refuses."""
 
     def __init__(self, root: Path) -> None:
         self.cwd = root
         same = script("--min-steps", "1000")
+        as_module = ["--", sys.executable, "-m", "tests.workers.compare_train", "--min-steps", "1000"]
         self.result = run_compare(
             root, "32-true", "32-true", "32-true", "32-true", "apex-O1", "--steps", str(STEPS), "--out", "out",
-            *same, *same, *script("--min-steps", "1000", "--lr", "0.11"), *script("--crash-at", "1"),
+            *same, *as_module, *script("--min-steps", "1000", "--lr", "0.11"), *script("--crash-at", "1"),
             *script("--strategy", "ddp"),
             apex_double=True,
         )  # fmt: skip
