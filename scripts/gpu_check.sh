@@ -16,6 +16,8 @@
 #   native    35 s  AmpPrecision native fp16 (overflow at step 3) and bf16 against the hand-written native recipe
 #   benchmark 50 s  step time of fp32, native fp16/bf16 and apex O1/O2/O3 on a small conv net (60 s budget)
 #   rest      25 s  the other CUDA tests of tests/test_cuda.py (device pinning, the doctor); two-GPU tests skip
+#   compare   45 s  `lightning-ddp-amp compare apex-O1 native-O1 amp-O1 bf16-mixed` on examples/two_models_one_optimizer.py
+#                   (100 steps, one GPU; without apex: 32-true native-O1 bf16-mixed); the report in compare/
 # Both runs of every compared pair use deterministic algorithms (CUBLAS_WORKSPACE_CONFIG below; the workers turn
 # on torch.use_deterministic_algorithms). The tolerance and why it holds: TOLERANCE in tests/test_cuda.py.
 set -uo pipefail
@@ -102,6 +104,13 @@ fi
 part native 70 "${PYTEST[@]}" -k native_amp_matches --junitxml="$RESULTS/native.xml"
 part benchmark 80 "$PYTHON" benchmarks/gpu.py --budget 60 --results "$RESULTS"
 part rest 60 "${PYTEST[@]}" -m "cuda and not apex" -k "not native_amp_matches" --junitxml="$RESULTS/rest.xml"
+if [[ -n $APEX ]]; then
+    CANDIDATES=(apex-O1 native-O1 amp-O1 bf16-mixed)  # amp-O1 runs apex here: the report says it matches apex-O1
+else
+    CANDIDATES=(32-true native-O1 bf16-mixed)
+fi
+part compare 70 "$PYTHON" -m lightning_ddp_amp compare "${CANDIDATES[@]}" --steps 100 --out "$RESULTS/compare" \
+    -- "$PYTHON" examples/two_models_one_optimizer.py --accelerator cuda --epochs 4
 
 echo "results: $RESULTS ($SECONDS s in all)"
 exit "$((failures > 0))"
