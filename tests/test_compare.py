@@ -13,12 +13,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import WORKERS, needs_cpu_fp16, worker_env
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ddp_amp import compare, compare_report
 from lightning_ddp_amp.compare_recorder import FINAL_WEIGHTS, PLAN_VARIABLE
@@ -247,6 +249,35 @@ def test_apex_and_native_amp_are_close_on_the_example_under_torchrun_and_a_10_pe
         assert entry["series"]["step"] == list(range(20))
         assert output.count(f"lightning-ddp-amp compare [{entry['name']}]: this run's Trainer was changed:") == 1
     assert candidate(report, "apex-O1")["series"]["loss_scale"][0] == 2.0**16
+
+
+@needs_cpu_fp16
+def test_with_ckpt_every_candidate_continues_an_apex_checkpoint_and_native_amp_starts_from_its_fp32_masters(
+    apex_double: ModuleType, tmp_path: Path
+) -> None:
+    sys.path.insert(0, str(WORKERS))
+    try:
+        from compare_train import build
+    finally:
+        sys.path.remove(str(WORKERS))
+    model, loader = build(0.1)
+    saved = ModelCheckpoint(dirpath=tmp_path, filename="apex")
+    pl.Trainer(
+        strategy="envddp", accelerator="cpu", devices=1, precision="apex-O2", max_steps=4, callbacks=[saved],
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(model, loader)  # fmt: skip
+    result = run_compare(
+        tmp_path, "apex-O2", "native-O1", "--ckpt", "apex.ckpt", "--steps", "3", "--out", "out",
+        *script("--strategy", "envddp"),
+        apex_double=True,
+    )  # fmt: skip
+    output = result.stdout
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert report["comparable"], output[-4000:]  # the same weights after the restore, on both
+    assert [entry["series"]["step"] for entry in report["candidates"]] == [[4, 5, 6], [4, 5, 6]]
+    crossing = "Resuming a checkpoint of apex amp O2 under AmpPrecision(backend='native', opt_level='O1'): carried"
+    assert output.count(crossing) == 1  # the apex candidate resumes under apex: nothing crosses
+    assert "carried apex O2's fp32 master weights (the checkpoint's weights), the loss scale" in output
 
 
 @pytest.mark.multiprocess

@@ -156,6 +156,10 @@ class AmpBackend(abc.ABC):
             The optimizer's return value and whether the step was skipped on overflow.
         """
 
+    def master_weight_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """``(model parameter, its fp32 master)`` for each parameter the optimizer steps through a master copy."""
+        return []
+
     def current_loss_scale(self) -> float | None:
         """The scale of the next backward's loss (of the first loss scaler), or None without loss scaling.
 

@@ -306,6 +306,19 @@ class ApexAmp(AmpBackend):
             return list(self._pending_master_weights or [])
         return [param.detach() for optimizer in self._optimizers for param in self.main_params(optimizer)]
 
+    @override
+    def master_weight_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """apex O2's fp16 model parameters beside their fp32 masters, from each optimizer's ``_amp_stash``."""
+        if not self.initialized or not self.keeps_master_weights:
+            return []
+        pairs: list[tuple[Tensor, Tensor]] = []
+        for optimizer in self._optimizers:
+            stash = getattr(optimizer, "_amp_stash", None)
+            groups = zip(getattr(stash, "fp16_groups", []), getattr(stash, "fp32_from_fp16_groups", []), strict=True)
+            for models, masters in groups:
+                pairs += zip(models, masters, strict=True)
+        return pairs
+
     def load_master_weights(self, saved: list[Tensor]) -> None:
         """Copy saved fp32 master weights into apex's, after ``amp.initialize`` built them (until then it waits).
 

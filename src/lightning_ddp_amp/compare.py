@@ -101,12 +101,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--out={str(out)!r}: the folder is not empty, and its runs' checkpoints could be resumed. Fix: name a new folder"
         )
     out.mkdir(parents=True, exist_ok=True)
+    ckpt = None if args.ckpt is None else str(args.ckpt.resolve())
+    first_step = 0 if ckpt is None else _saved_step(ckpt, command_line)
     candidates = _candidates(args.precisions, commands, out.resolve())
     for index, candidate in enumerate(candidates):
         print(f"compare [{index + 1}/{len(candidates)}] {candidate.name}: {shlex.join(candidate.command)}", flush=True)
-        candidate.returncode = _run(
-            candidate, args.steps, None if args.ckpt is None else str(args.ckpt.resolve()), index == 0
+        plan = Plan(
+            candidate.name, candidate.precision, args.steps, str(candidate.directory), ckpt, index == 0, first_step
         )
+        candidate.returncode = _run(candidate, plan)
     report = compare_report.build(candidates, args.tolerance, steps=args.steps, argv=argv)
     print(compare_report.render(report))
     return compare_report.write(report, out)
@@ -137,13 +140,24 @@ def _candidates(precisions: list[str], commands: list[list[str]], out: Path) -> 
     return candidates
 
 
-def _run(candidate: Candidate, steps: int, ckpt: str | None, baseline: bool) -> int:
+def _saved_step(ckpt: str, command_line: argparse.ArgumentParser) -> int:
+    """The global step a checkpoint was saved at (memory-mapped: only that entry is read)."""
+    import torch
+
+    try:
+        checkpoint = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as error:
+        command_line.error(
+            f"--ckpt={ckpt!r}: torch.load cannot read it ({type(error).__name__}: {error}). Fix: pass a checkpoint a Trainer saved"
+        )
+    return int(checkpoint.get("global_step", 0))
+
+
+def _run(candidate: Candidate, plan: Plan) -> int:
     """Run the candidate's command with the compare site first on PYTHONPATH; returns its exit status."""
     candidate.directory.mkdir(parents=True)
     plan_file = candidate.directory / "plan.json"
-    Plan(candidate.name, candidate.precision, steps, str(candidate.directory), ckpt, save_start=baseline).write(
-        plan_file
-    )
+    plan.write(plan_file)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
     env[PLAN_VARIABLE] = str(plan_file)

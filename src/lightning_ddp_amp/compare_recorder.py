@@ -7,7 +7,8 @@ with these changes, which rank 0 lists once when ``fit`` starts:
 
 * ``precision`` becomes the candidate's, and any precision plugin in ``plugins`` is removed (Lightning refuses
   both at once);
-* ``max_steps`` becomes the plan's number of steps, unless the script asks for fewer;
+* ``max_steps`` becomes the plan's number of steps (after the plan's checkpoint's own), unless the script asks for
+  fewer;
 * ``default_root_dir``, every ``ModelCheckpoint`` with a ``dirpath``, and CSV and TensorBoard loggers point into the
   candidate's folder; any other logger is turned off, since it cannot be pointed elsewhere. LightningCLI saves its
   config in the log directory, so it lands there too;
@@ -67,6 +68,7 @@ class Plan:
         directory: The candidate's folder, for checkpoints, logs and the record.
         ckpt: The checkpoint ``fit`` starts from when the script passes none.
         save_start: Also save the weights as they are before the first step (the baseline does, for distances).
+        first_step: The global step ``ckpt`` was saved at: the run takes ``steps`` more.
     """
 
     candidate: str
@@ -75,6 +77,7 @@ class Plan:
     directory: str
     ckpt: str | None = None
     save_start: bool = False
+    first_step: int = 0
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
@@ -160,10 +163,10 @@ def _replace_arguments(
         plugins.append(_amp_precision(pl)(opt_level=native.group(1), backend="native"))
     if removed or native is not None:
         given["plugins"] = plugins
-    max_steps = value("max_steps")
-    if max_steps is None or max_steps < 0 or max_steps > plan.steps:
-        changes.replaced.append(f"max_steps={max_steps!r} -> {plan.steps}")
-        given["max_steps"] = plan.steps
+    max_steps, last = value("max_steps"), plan.first_step + plan.steps
+    if max_steps is None or max_steps < 0 or max_steps > last:
+        changes.replaced.append(f"max_steps={max_steps!r} -> {last}")
+        given["max_steps"] = last
     changes.replaced.append(f"default_root_dir={value('default_root_dir')!r} -> {plan.directory!r}")
     given["default_root_dir"] = plan.directory
     logger = value("logger")
@@ -251,10 +254,20 @@ class Recording:
             self._pending_loss = loss if self._pending_loss is None else self._pending_loss + loss
             return backward(closure_loss, *args, **kwargs)
 
+        plugin = trainer.precision_plugin
+        convert_input = plugin.convert_input
+
+        def hashed_convert_input(data: Any) -> Any:
+            # The training loop casts a batch here (apex O2, "16-true", ...) before it moves it to the device.
+            if self.batch_hash is None and trainer.training:
+                self.batch_hash = _hash_tensors(dict(enumerate(_tensors(data))))
+            return convert_input(data)
+
         strategy.setup, strategy.backward = setup_after_restore, recorded_backward
+        plugin.convert_input = hashed_convert_input
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.batch_hash is None:
+        if self.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
             self.batch_hash = _hash_tensors(dict(enumerate(_tensors(batch))))
         if self._opened is None:
             self._opened = _now(pl_module.device)

@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.nn import Module
@@ -106,6 +107,7 @@ class AmpPrecision(Precision):
         self._built: AmpBackend | None = None
         self._device_type: str | None = None
         self._optimizers: list[Optimizer] = []
+        self._model: Module | None = None
         self._skipped: dict[int, bool] = {}
         self._stepping = False
 
@@ -157,6 +159,7 @@ class AmpPrecision(Precision):
             return model, optimizers, lr_schedulers
         self.amp_backend.connect(model, self.amp_modules, optimizers)
         self._optimizers = list(optimizers)
+        self._model = model
         if self.amp_backend.may_skip_steps:
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
@@ -336,6 +339,36 @@ class AmpPrecision(Precision):
         self.amp_backend.load_state_dict(state_dict)
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Write the checkpoint so that a run can go on under any other precision, Lightning's own included.
+
+        * apex O2 trains fp32 masters of fp16 weights; the checkpoint's weights (``state_dict``) become those
+          masters, so that ``32-true``, ``16-mixed``, ``bf16-mixed``, ``amp-O*`` or ``load_from_checkpoint`` read
+          the weights apex trained, not their fp16 copies (an apex O2 resume still restores its masters exactly).
+        * a dynamic loss scale is also written as the GradScaler state Lightning's ``16-mixed`` reads (under
+          ``"MixedPrecision"``); AmpPrecision itself reads its own entry.
+        """
+        state = checkpoint.get(type(self).__qualname__)
+        if self._built is None or not isinstance(state, dict):
+            return
+        names = {id(param): name for name, param in (self._model.named_parameters() if self._model else ())}
+        weights = checkpoint.get("state_dict", {})
+        pairs = [(names.get(id(param)), master) for param, master in self.amp_backend.master_weight_pairs()]
+        for name, master in pairs:
+            if name in weights:
+                weights[name] = master.detach().clone()
+        state["fp32_weights"] = bool(pairs) and all(name in weights for name, _ in pairs)
+        scalers = state.get("loss_scalers") or []
+        if scalers and self.amp_backend.may_skip_steps:
+            checkpoint.setdefault("MixedPrecision", grad_scaler_state(scalers[0]))
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        message = describe_crossing(checkpoint, self)
+        if message is not None:
+            rank_zero_info(message)
+
+    @override
     def teardown(self) -> None:
         if self._built is not None:
             self._built.teardown()
@@ -371,6 +404,59 @@ class SkipAwareScheduler:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.scheduler, name, value)
+
+
+def grad_scaler_state(scaler: dict[str, float]) -> dict[str, float]:
+    """One of AmpPrecision's loss scalers (``loss_scale``, ``unskipped``) as ``torch.amp.GradScaler.state_dict()``.
+
+    apex's dynamic scaler and torch's default GradScaler follow the same rule (double after 2000 clean steps, halve
+    on overflow), so only the scale and the count of clean steps move.
+    """
+    return {
+        "scale": float(scaler["loss_scale"]),
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": int(scaler["unskipped"]),
+    }
+
+
+def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | None:
+    """What crosses, and what does not, when a checkpoint written under apex amp resumes under ``plugin``.
+
+    None when the checkpoint was not written by AmpPrecision under apex, or when ``plugin`` runs apex too.
+    """
+    state = checkpoint.get(AmpPrecision.__qualname__)
+    if not isinstance(state, dict) or state.get("backend") != "apex":
+        return None
+    if isinstance(plugin, AmpPrecision):
+        if plugin.backend == "apex":
+            return None
+        target, scales = repr(plugin), plugin.amp_backend.scales_loss
+    else:
+        target = f"{type(plugin).__name__}(precision={getattr(plugin, 'precision', None)!r})"
+        scales = getattr(plugin, "scaler", None) is not None
+    carried, dropped = [], []
+    if state.get("fp32_weights"):
+        carried.append("apex O2's fp32 master weights (the checkpoint's weights)")
+    elif state.get("master_weights"):
+        dropped.append(
+            "apex O2's fp32 master weights: this checkpoint is older than their copy into its weights, which are"
+            " their fp16 roundings (resume it once under apex-O2 and save again to carry them)"
+        )
+    else:
+        carried.append("the fp32 weights")
+    scalers = state.get("loss_scalers") or []
+    if scalers and scales and (isinstance(plugin, AmpPrecision) or "MixedPrecision" in checkpoint):
+        carried.append(f"the loss scale {scalers[0]['loss_scale']:g}")
+    elif scalers:
+        dropped.append(
+            f"the loss scale {scalers[0]['loss_scale']:g} ({target} {'starts its own' if scales else 'scales no loss'})"
+        )
+    if len(scalers) > 1:
+        dropped.append(f"the loss scales of loss_id 1 to {len(scalers) - 1} (one scaler scales every loss here)")
+    message = f"Resuming a checkpoint of apex amp {state.get('opt_level', '')} under {target}: carried {', '.join(carried) or 'nothing'}"
+    return message + (f"; dropped {'; '.join(dropped)}" if dropped else "")
 
 
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:

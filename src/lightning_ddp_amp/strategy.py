@@ -55,6 +55,7 @@ from lightning_ddp_amp.ddp_options import DDPOptions
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.precision import AmpPrecision, describe_crossing
 from lightning_ddp_amp.process_group import (
     check_script_group,
     destroy_process_group,
@@ -619,6 +620,10 @@ class EnvDDPStrategy(DDPStrategy):
         except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
             raise unreadable_checkpoint(checkpoint_path, error) from error
         check_checkpoint(checkpoint, checkpoint_path)
+        if not isinstance(self.precision_plugin, AmpPrecision):  # AmpPrecision says it in on_load_checkpoint
+            crossing = describe_crossing(checkpoint, self.precision_plugin)
+            if crossing is not None:
+                rank_zero_info(crossing)
         auto_resumed = self.resumed_from is not None and Path(checkpoint_path) == self.resumed_from
         self._resuming = ResumePoint.read(checkpoint, checkpoint_path, auto_resumed)
         return checkpoint

@@ -201,6 +201,11 @@ class ApexAmp(AmpBackend):
         """
         ...
 
+    @override
+    def master_weight_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """apex O2's fp16 model parameters beside their fp32 masters, from each optimizer's ``_amp_stash``."""
+        ...
+
     def load_master_weights(self, saved: list[Tensor]) -> None:
         """Copy saved fp32 master weights into apex's, after ``amp.initialize`` built them (until then it waits).
 

@@ -26,6 +26,7 @@ from pytorch_lightning import LightningModule
 from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import Strategy
+from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.nn import Module
@@ -225,6 +226,22 @@ class AmpPrecision(Precision):
         ...
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Write the checkpoint so that a run can go on under any other precision, Lightning's own included.
+
+        * apex O2 trains fp32 masters of fp16 weights; the checkpoint's weights (``state_dict``) become those
+          masters, so that ``32-true``, ``16-mixed``, ``bf16-mixed``, ``amp-O*`` or ``load_from_checkpoint`` read
+          the weights apex trained, not their fp16 copies (an apex O2 resume still restores its masters exactly).
+        * a dynamic loss scale is also written as the GradScaler state Lightning's ``16-mixed`` reads (under
+          ``"MixedPrecision"``); AmpPrecision itself reads its own entry.
+        """
+        ...
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        ...
+
+    @override
     def teardown(self) -> None:
         ...
 
@@ -254,6 +271,23 @@ class SkipAwareScheduler:
 
     def __setattr__(self, name: str, value: Any) -> None:
         ...
+
+
+def grad_scaler_state(scaler: dict[str, float]) -> dict[str, float]:
+    """One of AmpPrecision's loss scalers (``loss_scale``, ``unskipped``) as ``torch.amp.GradScaler.state_dict()``.
+
+    apex's dynamic scaler and torch's default GradScaler follow the same rule (double after 2000 clean steps, halve
+    on overflow), so only the scale and the count of clean steps move.
+    """
+    ...
+
+
+def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | None:
+    """What crosses, and what does not, when a checkpoint written under apex amp resumes under ``plugin``.
+
+    None when the checkpoint was not written by AmpPrecision under apex, or when ``plugin`` runs apex too.
+    """
+    ...
 
 
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
