@@ -320,7 +320,11 @@ class AmpPrecision(Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "opt_level": self.opt_level, **self.amp_backend.state_dict()}
+        state = {"backend": self.backend, "opt_level": self.opt_level, **self.amp_backend.state_dict()}
+        if self._built is not None and self.amp_backend.master_weight_pairs():
+            # on_save_checkpoint makes apex O2's masters the checkpoint's weights, for whatever precision comes next.
+            state["fp32_weights"] = True
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -353,11 +357,10 @@ class AmpPrecision(Precision):
             return
         names = {id(param): name for name, param in (self._model.named_parameters() if self._model else ())}
         weights = checkpoint.get("state_dict", {})
-        pairs = [(names.get(id(param)), master) for param, master in self.amp_backend.master_weight_pairs()]
-        for name, master in pairs:
+        for param, master in self.amp_backend.master_weight_pairs():
+            name = names.get(id(param))
             if name in weights:
                 weights[name] = master.detach().clone()
-        state["fp32_weights"] = bool(pairs) and all(name in weights for name, _ in pairs)
         scalers = state.get("loss_scalers") or []
         if scalers and self.amp_backend.may_skip_steps:
             checkpoint.setdefault("MixedPrecision", grad_scaler_state(scalers[0]))
