@@ -115,3 +115,26 @@ def test_lightnings_own_16_mixed_resumes_an_apex_checkpoint_with_its_loss_scale(
     assert any(
         "under MixedPrecision(precision='16-mixed'): carried apex O2's fp32" in r.getMessage() for r in caplog.records
     )
+
+
+class Tied(TwoModels):
+    """A second name for model_a's first weight, as tied embeddings have (``lm_head.weight is wte.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied = torch.nn.Linear(8, 16)
+        self.tied.weight = self.model_a[0].weight
+
+
+def test_every_name_of_a_tied_weight_holds_its_fp32_master(apex_double: ModuleType, tmp_path: Path) -> None:
+    first = fit(
+        Tied(),
+        plugins=[AmpPrecision(opt_level="O2", backend="apex")],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="last")],
+        enable_checkpointing=True,
+    )
+    module = first.lightning_module
+    (master,) = [m for p, m in first.precision_plugin.amp_backend.master_weight_pairs() if p is module.tied.weight]
+    weights = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert not torch.equal(master, master.half().float())
+    assert torch.equal(weights["tied.weight"], master) and torch.equal(weights["model_a.0.weight"], master)

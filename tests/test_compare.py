@@ -7,9 +7,11 @@ against a plain-torch loop with formulas written here, not against compare's own
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +24,9 @@ import torch
 from conftest import WORKERS, needs_cpu_fp16, worker_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_ddp_amp import compare, compare_report
+from lightning_ddp_amp import compare, compare_recorder, compare_report
 from lightning_ddp_amp.compare_recorder import FINAL_WEIGHTS, PLAN_VARIABLE
+from lightning_ddp_amp.compare_report import Candidate
 
 REPO = Path(__file__).parent.parent
 SCRIPT = str(WORKERS / "compare_train.py")
@@ -71,13 +74,24 @@ class LearningRates:
 
     def __init__(self, root: Path) -> None:
         self.cwd = root
-        same = script("--min-steps", "1000")
-        as_module = ["--", sys.executable, "-m", "tests.workers.compare_train", "--min-steps", "1000"]
+        # The baseline validates after fit, which sets the strategy up again; the second run starts a helper process
+        # that fails, as a probe does, and still succeeds.
+        baseline = script("--min-steps", "1000", "--validate-after")
+        as_module = [
+            "--",
+            sys.executable,
+            "-m",
+            "tests.workers.compare_train",
+            "--min-steps",
+            "1000",
+            "--helper-raises",
+        ]
         self.result = run_compare(
             root, "32-true", "32-true", "32-true", "32-true", "apex-O1", "--steps", str(STEPS), "--out", "out",
-            *same, *as_module, *script("--min-steps", "1000", "--lr", "0.11"), *script("--crash-at", "1"),
+            *baseline, *as_module, *script("--min-steps", "1000", "--lr", "0.11"), *script("--crash-at", "1"),
             *script("--strategy", "ddp"),
             apex_double=True,
+            timeout=600,
         )  # fmt: skip
         self.out = root / "out"
         self.report = json.loads((self.out / "compare.json").read_text())
@@ -233,6 +247,7 @@ def test_apex_and_native_amp_are_close_on_the_example_under_torchrun_and_a_10_pe
         tmp_path, "apex-O1", "native-O1", "32-true", "apex-O1", "--steps", "20", "--out", "out",
         "--", *torchrun, "--", *torchrun, "--", *torchrun, "--", *torchrun, "--lr", "0.055",
         apex_double=True,
+        timeout=600,
     )  # fmt: skip
     output = result.stdout
     assert result.returncode == 1, output[-4000:]
@@ -335,7 +350,6 @@ def test_an_out_folder_that_holds_files_is_refused(capsys: pytest.CaptureFixture
 
 
 def test_nothing_of_compare_is_active_outside_it(tmp_path: Path) -> None:
-    assert not hasattr(pl.Trainer.__init__, "__lightning_ddp_amp_compare__")  # this process imported the package
     # With compare's folder on the path but no plan, sitecustomize installs nothing and leaves the Trainer alone.
     probe = (
         "import sys, lightning.pytorch as pl, lightning_ddp_amp;"
@@ -346,6 +360,59 @@ def test_nothing_of_compare_is_active_outside_it(tmp_path: Path) -> None:
     env.pop(PLAN_VARIABLE, None)
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False [] True", result.stderr[-2000:]
+
+
+def test_a_failed_baseline_leaves_nothing_to_compare(learning_rates: LearningRates, tmp_path: Path) -> None:
+    recorded = Path(candidate(learning_rates.report, "32-true#2")["directory"])
+    shutil.copytree(recorded, tmp_path / "2-ok")
+    (tmp_path / "1-broken").mkdir()
+    runs = [
+        Candidate("broken", "apex-O1", ["python", "t.py"], tmp_path / "1-broken", returncode=1),
+        Candidate("ok", "32-true", ["python", "t.py"], tmp_path / "2-ok", returncode=0),
+    ]
+    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    assert report["problem"] == "the baseline broken failed, so there is nothing to compare against"
+    assert [(e["status"], e["reason"]) for e in report["candidates"]] == [
+        ("failed", "the command exited with status 1 (its output is above)"),
+        ("not compared", "the baseline failed"),
+    ]
+    assert compare_report.write(report, tmp_path) == 2
+    assert_matches(json.loads((tmp_path / "compare.json").read_text()), SCHEMA)
+
+
+def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callable(tmp_path: Path) -> None:
+    class Remote(pl.loggers.Logger):
+        name, version = "remote", 0
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            raise AssertionError("the remote logger was called")
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("the remote logger was called")
+
+    given: dict[str, Any] = {"logger": [pl.loggers.CSVLogger("script_logs", name="mine"), Remote()]}
+    changes = compare_recorder.Changes()
+    plan = compare_recorder.Plan("c", "32-true", 5, str(tmp_path))
+    compare_recorder._replace_arguments(given, inspect.signature(pl.Trainer.__init__), plan, changes, pl)
+    csv, dummy = given["logger"]
+    assert (csv.save_dir, csv.name) == (str(tmp_path / "logs"), "mine")
+    assert changes.turned_off == ["Remote"]
+    dummy.experiment.log({"anything": 1})  # what a script calls on its W&B logger, swallowed
+    assert dummy.save_dir == str(tmp_path / "logs")  # where LightningCLI saves its config
+    assert "turned off Remote: it cannot write into the candidate's folder" in changes.describe("c")
+
+
+@needs_cpu_fp16
+def test_the_final_weights_of_apex_o2_are_its_fp32_masters(apex_double: ModuleType) -> None:
+    from test_precision import TwoModels, fit
+
+    trainer = fit(TwoModels(), precision="apex-O2")
+    plugin, module = trainer.precision_plugin, trainer.lightning_module
+    weights = compare_recorder._trained_weights(module, plugin)
+    masters = {id(param): master for param, master in plugin.amp_backend.master_weight_pairs()}
+    assert masters and all(param.dtype == torch.float16 for name, param in module.named_parameters())
+    for name, param in module.named_parameters():
+        assert weights[name] is masters[id(param)]
 
 
 def test_a_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:

@@ -27,18 +27,20 @@ and the final weights. The module imports no Lightning namespace itself: :func:`
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +55,19 @@ RECORD_FILE = "record.json"
 FINAL_WEIGHTS = "weights-final.pt"
 START_WEIGHTS = "weights-start.pt"
 _MARK = "__lightning_ddp_amp_compare__"
-#: ``native-O0`` … ``native-O3``: accepted by compare only, as ``AmpPrecision(opt_level=..., backend="native")``.
-NATIVE_LEVEL = re.compile(r"^native-(O[0-3])$")
+#: The precisions AmpPrecision runs: ``apex-O*``, ``amp-O*`` and, for compare only, ``native-O*``
+#: (``AmpPrecision(opt_level=..., backend="native")``, torch's AMP even where apex is installed).
+AMP_LEVEL = re.compile(r"^(apex|amp|native)-(O[0-3])$")
+#: What a script's own AmpPrecision keeps when compare changes its level or backend.
+CARRIED_SETTINGS = (
+    "models",
+    "keep_batchnorm_fp32",
+    "loss_scale",
+    "num_losses",
+    "min_loss_scale",
+    "max_loss_scale",
+    "cast_model_outputs",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +128,7 @@ def patch(namespace: str, plan_file: str) -> None:
     if getattr(trainer_class.__init__, _MARK, False):
         return
     plan = Plan.read(plan_file)
-    recording_class = type("CompareRecording", (Recording, pl.Callback), {})
+    recording_class = type("CompareRecording", (Recording, pl.Callback), {"_pl": pl})
     init, fit = trainer_class.__init__, trainer_class.fit
     init_signature, fit_signature = inspect.signature(init), inspect.signature(fit)
 
@@ -147,7 +160,15 @@ def _replace_arguments(
     ``PL_TRAINER_*`` environment defaults still apply to the rest."""
 
     def value(name: str) -> Any:
-        return given.get(name, signature.parameters[name].default)
+        if name in given:
+            return given[name]
+        from_env = os.environ.get(f"PL_TRAINER_{name.upper()}")  # read as Lightning's _defaults_from_env_vars does
+        if from_env is None:
+            return signature.parameters[name].default
+        try:
+            return ast.literal_eval(from_env)
+        except (ValueError, SyntaxError):
+            return from_env
 
     changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
     plugins = _as_list(value("plugins"))
@@ -155,13 +176,16 @@ def _replace_arguments(
     if removed:
         plugins = [plugin for plugin in plugins if plugin not in removed]
         changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
-    native = NATIVE_LEVEL.match(plan.precision)
-    if native is None:
+    level = AMP_LEVEL.match(plan.precision)
+    configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
+    if level is None:
         given["precision"] = plan.precision
-    else:  # compare's own spelling: torch's AMP at an apex level, even where apex is installed
+    else:  # AmpPrecision itself: native-O* is compare's own spelling; a removed AmpPrecision's settings carry over
+        family, opt_level = level.groups()
+        backend = {"apex": "apex", "amp": "auto", "native": "native"}[family]
         given["precision"] = None
-        plugins.append(_amp_precision(pl)(opt_level=native.group(1), backend="native"))
-    if removed or native is not None:
+        plugins.append(_amp_plugin(pl, opt_level, backend, configured, changes))
+    if removed or level is not None:
         given["plugins"] = plugins
     max_steps, last = value("max_steps"), plan.first_step + plan.steps
     if max_steps is None or max_steps < 0 or max_steps > last:
@@ -172,14 +196,43 @@ def _replace_arguments(
     logger = value("logger")
     if logger not in (None, True, False):
         kept = []
+        logs = os.path.join(plan.directory, "logs")
         for each in _as_list(logger):
-            if isinstance(each, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
-                logs = os.path.join(plan.directory, "logs")
+            try:
+                if not isinstance(each, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
+                    raise TypeError(type(each).__name__)
                 kept.append(type(each)(save_dir=logs, name=each.name))
                 changes.replaced.append(f"{type(each).__name__} writes to {logs!r}")
-            else:
+            except TypeError:
+                # A logger of its own kind, or a subclass built otherwise: it cannot be pointed elsewhere. Lightning's
+                # dummy swallows what the script logs through it (`self.logger.experiment.log(...)`); its folder is
+                # the candidate's, where LightningCLI saves its config.
+                dummy = type(
+                    "TurnedOffLogger",
+                    (pl.loggers.logger.DummyLogger,),
+                    {"save_dir": property(lambda _: logs)},
+                )
+                kept.append(dummy())
                 changes.turned_off.append(type(each).__name__)
-        given["logger"] = kept or False
+        given["logger"] = kept
+
+
+def _amp_plugin(pl: Any, opt_level: str, backend: str, configured: Any, changes: Changes) -> Any:
+    """AmpPrecision at ``opt_level`` on ``backend``, with the settings of the script's own AmpPrecision, if any."""
+    amp_precision = _amp_precision(pl)
+    if configured is None:
+        return amp_precision(opt_level=opt_level, backend=backend)
+    settings = {name: getattr(configured, name) for name in CARRIED_SETTINGS}
+    settings["dtype"] = "bfloat16" if configured.dtype == torch.bfloat16 else "float16"
+    try:
+        built = amp_precision(opt_level=opt_level, backend=backend, **settings)
+    except Exception as error:  # a setting this level refuses (keep_batchnorm_fp32 under O1, ...)
+        kept = {name: settings[name] for name in ("models", "num_losses")}
+        built = amp_precision(opt_level=opt_level, backend=backend, **kept)
+        changes.replaced.append(f"kept only models and num_losses of the script's AmpPrecision ({error})")
+    else:
+        changes.replaced.append("kept the script's AmpPrecision settings (models, num_losses, loss scale, ...)")
+    return built
 
 
 def _amp_precision(pl: Any) -> Any:
@@ -198,7 +251,12 @@ def ran_as(plugin: Any) -> str:
 def _redirect_checkpoints(trainer: Any, plan: Plan, changes: Changes, pl: Any) -> None:
     """Every ModelCheckpoint with its own ``dirpath`` saves into the candidate's folder instead (so ``auto_resume``,
     which reads those directories, only ever finds this candidate's checkpoints)."""
-    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath]
+    inside = os.path.realpath(plan.directory) + os.sep
+    callbacks = [
+        cb
+        for cb in trainer.callbacks
+        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath and not (cb.dirpath + os.sep).startswith(inside)
+    ]
     for index, callback in enumerate(callbacks):
         folder = os.path.join(plan.directory, "checkpoints" if len(callbacks) == 1 else f"checkpoints-{index}")
         changes.replaced.append(f"ModelCheckpoint(dirpath={callback.dirpath!r}) -> {folder!r}")
@@ -211,6 +269,9 @@ def _as_list(value: Any) -> list[Any]:
 
 class Recording:
     """The callback of a compare run; :func:`patch` mixes it with the namespace's ``Callback``."""
+
+    #: The Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``), set on the mixed class.
+    _pl: Any = None
 
     def __init__(self, plan: Plan, changes: Changes) -> None:
         self.plan = plan
@@ -228,34 +289,38 @@ class Recording:
         self._times: list[tuple[Any, Any]] = []
         self._opened: Any = None
         self._stepped: list[tuple[int, Any]] = []  # (index, optimizer) of this batch's steps
+        self._pending_scale: Tensor | float | None = None
+        self._restore: list[Callable[[], None]] = []
 
     # -- hooks -------------------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self._active:
-            return
+            return  # only the first fit is recorded
         self._active = True
+        # ModelCheckpoints of LightningModule.configure_callbacks() joined the Trainer inside fit, before this hook.
+        _redirect_checkpoints(trainer, self.plan, self.changes, self._pl)
         if trainer.global_rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             print(self.changes.describe(self.plan.candidate), file=sys.stderr, flush=True)
-        strategy = trainer.strategy
-        setup, backward = strategy.setup, strategy.backward
+        strategy, plugin = trainer.strategy, trainer.precision_plugin
+        setup, backward, convert_input = strategy.setup, strategy.backward, plugin.convert_input
 
         def setup_after_restore(trainer_: Any) -> None:
             # Lightning restores a checkpoint's weights before strategy.setup, which casts (precision plugins) and
             # broadcasts (DDP): the one point where every candidate must hold the same weights.
-            state = pl_module.state_dict()
-            self.weights_hash = _hash_tensors(state)
-            if self.plan.save_start and trainer.global_rank == 0:
-                _save_fp32(state, Path(self.plan.directory) / START_WEIGHTS)
+            if self.weights_hash is None:
+                state = pl_module.state_dict()
+                self.weights_hash = _hash_tensors(state)
+                if self.plan.save_start and trainer.global_rank == 0:
+                    _save_fp32(state, Path(self.plan.directory) / START_WEIGHTS)
             setup(trainer_)
 
         def recorded_backward(closure_loss: Tensor, *args: Any, **kwargs: Any) -> Any:
             loss = closure_loss.detach().float()
+            if self._pending_loss is None:  # the step's first backward: the scale it runs under (apex updates it
+                self._pending_scale = _loss_scale(plugin)  # as its backward ends, torch's scaler at step())
             self._pending_loss = loss if self._pending_loss is None else self._pending_loss + loss
             return backward(closure_loss, *args, **kwargs)
-
-        plugin = trainer.precision_plugin
-        convert_input = plugin.convert_input
 
         def hashed_convert_input(data: Any) -> Any:
             # The training loop casts a batch here (apex O2, "16-true", ...) before it moves it to the device.
@@ -263,8 +328,11 @@ class Recording:
                 self.batch_hash = _hash_tensors(dict(enumerate(_tensors(data))))
             return convert_input(data)
 
-        strategy.setup, strategy.backward = setup_after_restore, recorded_backward
-        plugin.convert_input = hashed_convert_input
+        self._restore = [
+            _shadow(strategy, "setup", setup_after_restore),
+            _shadow(strategy, "backward", recorded_backward),
+            _shadow(plugin, "convert_input", hashed_convert_input),
+        ]
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
@@ -282,13 +350,9 @@ class Recording:
         loss = self._pending_loss
         self._loss.append(loss if loss is not None else torch.full((), float("nan"), device=device))
         self._pending_loss = None
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if hasattr(trainer.precision_plugin, "amp_backend"):  # AmpPrecision keeps the scale on the host
-            self._loss_scale.append(trainer.precision_plugin.current_loss_scale)
-        elif scaler is not None:  # Lightning's MixedPrecision: torch's GradScaler, read without a sync
-            self._loss_scale.append(_grad_scaler_scale(scaler))
-        else:
-            self._loss_scale.append(None)
+        scale = self._pending_scale if loss is not None else _loss_scale(trainer.precision_plugin)
+        self._loss_scale.append(scale)
+        self._pending_scale = None
         self._lr.append(float(optimizer.param_groups[0]["lr"]))
         self._step.append(int(trainer.global_step))
         self._stepped.append((len(self._step) - 1, optimizer))
@@ -298,19 +362,27 @@ class Recording:
             return  # an accumulation window goes on
         closed = _now(pl_module.device)
         plugin = trainer.precision_plugin
-        for index, optimizer in self._stepped:
+        after = [self._loss_scale[index] for index, _ in self._stepped[1:]] + [_loss_scale(plugin)]
+        for (index, optimizer), scale_after in zip(self._stepped, after, strict=True):
             self._times.append((self._opened, closed))
             scale = self._loss_scale[index]
             if hasattr(plugin, "step_skipped"):
                 self._skipped.append(bool(plugin.step_skipped(optimizer)))
-            elif isinstance(scale, Tensor):  # torch's scaler backs off exactly when it skipped the step
-                self._skipped.append(_grad_scaler_scale(plugin.scaler) < scale)
+            elif isinstance(scale, Tensor) and isinstance(scale_after, Tensor):
+                self._skipped.append(scale_after < scale)  # torch's scaler backs off exactly when it skipped a step
             else:
                 self._skipped.append(False)
         self._stepped = []
         self._opened = None
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        for restore in self._restore:
+            restore()
+        self._restore = []
+        # A step outside a training batch (an optimizer stepped in another hook) has no batch time or skip flag.
+        missing = len(self._step) - len(self._skipped)
+        self._skipped += [False] * missing
+        self._times += [(None, None)] * missing
         record = self._rank_record(trainer, pl_module)
         records = [record]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -319,7 +391,7 @@ class Recording:
         if trainer.global_rank != 0:
             return
         folder = Path(self.plan.directory)
-        _save_fp32(pl_module.state_dict(), folder / FINAL_WEIGHTS)
+        _save_fp32(_trained_weights(pl_module, trainer.precision_plugin), folder / FINAL_WEIGHTS)
         document = {
             "candidate": self.plan.candidate,
             "precision": self.plan.precision,
@@ -340,10 +412,10 @@ class Recording:
         device = pl_module.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            times = [start.elapsed_time(end) / 1000 for start, end in self._times]
+            times = [math.nan if start is None else start.elapsed_time(end) / 1000 for start, end in self._times]
             peak = int(torch.cuda.max_memory_allocated(device))
         else:
-            times = [end - start for start, end in self._times]
+            times = [math.nan if start is None else end - start for start, end in self._times]
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         return {
             "rank": int(trainer.global_rank),
@@ -373,17 +445,51 @@ def _now(device: torch.device) -> Any:
     return time.perf_counter()
 
 
-def _grad_scaler_scale(scaler: Any) -> Tensor:
-    """The scale of torch's GradScaler, as a device tensor. Why the private method: ``get_scale()`` syncs."""
-    scale: Tensor = scaler._get_scale_async().detach().clone()
-    return scale
+def _loss_scale(plugin: Any) -> Tensor | float | None:
+    """The loss scale the next backward runs under, read without a device sync; None without loss scaling."""
+    if hasattr(plugin, "amp_backend"):  # AmpPrecision keeps it on the host
+        scale: float | None = plugin.current_loss_scale
+        return scale
+    scaler = getattr(plugin, "scaler", None)  # Lightning's MixedPrecision: torch's GradScaler
+    if scaler is None:
+        return None
+    # Why the private method: get_scale() syncs. None until the scaler's first scale().
+    tensor = scaler._get_scale_async()
+    return None if tensor is None else tensor.detach().clone()
+
+
+def _shadow(owner: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    """Put ``replacement`` on this one object (not its class); returns what puts the object back as it was."""
+    had, before = name in vars(owner), vars(owner).get(name)
+    setattr(owner, name, replacement)
+
+    def restore() -> None:
+        if had:
+            setattr(owner, name, before)
+        else:
+            delattr(owner, name)
+
+    return restore
+
+
+def _trained_weights(pl_module: Any, plugin: Any) -> dict[str, Tensor]:
+    """The LightningModule's state, with apex O2's fp32 masters in place of the fp16 weights they train."""
+    state: dict[str, Tensor] = pl_module.state_dict()
+    if hasattr(plugin, "amp_backend"):
+        names: dict[int, list[str]] = {}
+        for name, param in pl_module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        for param, master in plugin.amp_backend.master_weight_pairs():
+            for name in names.get(id(param), []):
+                state[name] = master
+    return state
 
 
 def _tensors(data: Any) -> Iterator[Tensor]:
     """Every tensor in a batch, in order (tensors, mappings, sequences, dataclasses)."""
     if isinstance(data, Tensor):
         yield data
-    elif isinstance(data, dict):
+    elif isinstance(data, Mapping):  # dict, and UserDict-based batches (Hugging Face's BatchEncoding)
         for key in sorted(data, key=str):
             yield from _tensors(data[key])
     elif isinstance(data, (list, tuple)):

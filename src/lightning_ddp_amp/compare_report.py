@@ -86,9 +86,14 @@ class Candidate:
         return json.loads(path.read_text()) if path.is_file() else None
 
     def failure(self) -> str | None:
-        """Why the run failed, preferring the error a rank raised; None when it finished with a record."""
+        """Why the run failed, preferring the error a rank raised; None when it finished with a record.
+
+        Error files count only for a run that failed: a helper process of a good run may have raised one.
+        """
         if self.error is not None:
             return self.error
+        if not self.returncode and self.record() is not None:
+            return None
         errors = sorted(
             (self.directory / "errors").glob("*.json"), key=lambda p: (not p.name.startswith("rank"), p.name)
         )
@@ -98,9 +103,7 @@ class Candidate:
             return f"{error['type']} {where}: {error['message']}"
         if self.returncode:
             return f"the command exited with status {self.returncode} (its output is above)"
-        if self.record() is None:
-            return "the command finished without a record: it never completed a Trainer.fit"
-        return None
+        return "the command finished without a record: it never completed a Trainer.fit"
 
 
 def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv: list[str]) -> dict[str, Any]:
@@ -120,6 +123,9 @@ def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv
     }
     if entries[0]["status"] == "failed":
         report["problem"] = f"the baseline {baseline.name} failed, so there is nothing to compare against"
+        for entry in entries[1:]:
+            if entry["status"] != "failed":
+                entry["status"], entry["reason"] = "not compared", "the baseline failed"
         return report
     records = [
         candidate.record() if entry["status"] != "failed" else None

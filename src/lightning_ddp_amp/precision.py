@@ -355,14 +355,18 @@ class AmpPrecision(Precision):
         state = checkpoint.get(type(self).__qualname__)
         if self._built is None or not isinstance(state, dict):
             return
-        names = {id(param): name for name, param in (self._model.named_parameters() if self._model else ())}
+        names: dict[int, list[str]] = {}  # every name of a parameter: tied weights have several
+        for name, param in self._model.named_parameters(remove_duplicate=False) if self._model else ():
+            names.setdefault(id(param), []).append(name)
         weights = checkpoint.get("state_dict", {})
-        for param, master in self.amp_backend.master_weight_pairs():
-            name = names.get(id(param))
-            if name in weights:
-                weights[name] = master.detach().clone()
+        for stepped, master in self.amp_backend.master_weight_pairs():
+            for name in names.get(id(stepped), []):
+                if name in weights:
+                    weights[name] = master.detach()  # shares its storage with master_weights: saved once
         scalers = state.get("loss_scalers") or []
-        if scalers and self.amp_backend.may_skip_steps:
+        if state.get("grad_scaler"):  # torch's AMP wrote it itself
+            checkpoint.setdefault("MixedPrecision", state["grad_scaler"])
+        elif scalers and self.amp_backend.may_skip_steps:
             checkpoint.setdefault("MixedPrecision", grad_scaler_state(scalers[0]))
 
     @override
@@ -447,6 +451,8 @@ def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | No
             "apex O2's fp32 master weights: this checkpoint is older than their copy into its weights, which are"
             " their fp16 roundings (resume it once under apex-O2 and save again to carry them)"
         )
+    elif state.get("opt_level") == "O3":
+        carried.append("the weights (fp16 under apex O3)")
     else:
         carried.append("the fp32 weights")
     scalers = state.get("loss_scalers") or []

@@ -4,6 +4,8 @@ Run as the user would (``python compare_train.py --lr 0.1``); compare changes it
 """
 
 import argparse
+import subprocess
+import sys
 
 import lightning as L
 import torch
@@ -28,6 +30,10 @@ class Regression(L.LightningModule):
         x, y, _ = batch
         return torch.nn.functional.mse_loss(self.net(x).float(), y)
 
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x).float(), y))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -49,7 +55,11 @@ def main() -> None:
     parser.add_argument("--min-steps", type=int)
     parser.add_argument("--epochs", type=int, default=50)
     parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--validate-after", action="store_true", help="trainer.validate after fit, as scripts do")
+    parser.add_argument("--helper-raises", action="store_true", help="start a helper process that fails, then train")
     args = parser.parse_args()
+    if args.helper_raises:  # a probe that fails, as `python -c "import apex"` does without apex
+        subprocess.run([sys.executable, "-c", "raise ValueError('the helper failed')"], check=False)
     model, loader = build(args.lr, seeded=not args.unseeded, crash_at=args.crash_at)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -64,6 +74,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, loader)
+    if args.validate_after:
+        trainer.validate(model, loader)
 
 
 if __name__ == "__main__":
