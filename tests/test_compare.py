@@ -296,6 +296,25 @@ def test_with_ckpt_every_candidate_continues_an_apex_checkpoint_and_native_amp_s
 
 
 @pytest.mark.multiprocess
+def test_a_run_torchrun_restarts_records_each_step_once(tmp_path: Path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--max-restarts=1", SCRIPT]
+    result = run_compare(
+        tmp_path, "32-true", "32-true", "--steps", "4", "--out", "out",
+        *script(), "--", *torchrun, "--crash-at", "2", "--crash-once",
+    )  # fmt: skip
+    output = result.stdout
+    assert "RuntimeError: the model crashed at step 2" in output  # the first attempt did crash
+    assert result.returncode == 0, output[-4000:]
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    restarted = candidate(report, "32-true#2")
+    assert restarted["restarts"] == 1 and restarted["series"]["step"] == [0, 1, 2, 3]
+    assert restarted["status"] == "close" and restarted["summary"]["weight_distance"] == 0
+    assert any(
+        line.startswith("steps") and line.rstrip().endswith("4, after 1 restart(s)") for line in output.splitlines()
+    )
+
+
+@pytest.mark.multiprocess
 def test_a_self_launched_lightning_cli_script_is_compared_and_only_rank_zero_says_what_was_replaced(
     tmp_path: Path,
 ) -> None:

@@ -397,6 +397,8 @@ class Recording:
             "precision": self.plan.precision,
             "world_size": len(records),
             "ran_as": ran_as(trainer.precision_plugin),
+            # torchrun --max-restarts: an attempt that failed wrote nothing; this one's series starts where it did.
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "replaced": self.changes.replaced,
             "turned_off": self.changes.turned_off,
             "ranks": sorted(records, key=lambda r: r["rank"]),

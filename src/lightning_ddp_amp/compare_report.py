@@ -178,6 +178,7 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
         "reason": failure,
         "world_size": None,
         "ran_as": None,
+        "restarts": None,
         "replaced": [],
         "turned_off": [],
         "series": None,
@@ -189,6 +190,7 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
         entry.update(
             world_size=record["world_size"],
             ran_as=record["ran_as"],
+            restarts=record["restarts"],
             replaced=record["replaced"],
             turned_off=record["turned_off"],
         )
@@ -381,7 +383,7 @@ def render(report: dict[str, Any]) -> str:
     Cell = Callable[[dict[str, Any], dict[str, Any]], str]
     rows: list[tuple[str, Cell]] = [
         ("ran as", lambda e, s: str(e["ran_as"])),
-        ("steps", lambda e, s: str(len(e["series"]["step"]))),
+        ("steps", lambda e, s: _steps(e)),
         ("final loss", lambda e, s: f"{s['final_loss']:.6g}"),
         ("final loss difference", lambda e, s: _percent(s["final_loss_relative_difference"])),
         (
@@ -427,6 +429,12 @@ def render(report: dict[str, Any]) -> str:
         elif entry["status"] == "failed":
             lines.append(f"{entry['name']}: FAILED: {entry['reason']}")
     return "\n".join(lines)
+
+
+def _steps(entry: dict[str, Any]) -> str:
+    steps = entry["series"]["step"]
+    text = f"{len(steps)}" + (f" (from step {steps[0]})" if steps and steps[0] else "")
+    return text + (f", after {entry['restarts']} restart(s)" if entry["restarts"] else "")
 
 
 def _skips(steps: list[int]) -> str:
