@@ -103,7 +103,10 @@ class Candidate:
             return f"{error['type']} {where}: {error['message']}"
         if self.returncode:
             return f"the command exited with status {self.returncode} (its output is above)"
-        return "the command finished without a record: it never completed a Trainer.fit"
+        return (
+            "the command finished without a record: it never completed a Trainer.fit of lightning or"
+            " pytorch_lightning, or its Python ignored PYTHONPATH (python -E or -I)"
+        )
 
 
 def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv: list[str]) -> dict[str, Any]:
