@@ -399,6 +399,66 @@ def test_a_failed_baseline_leaves_nothing_to_compare(learning_rates: LearningRat
     assert_matches(json.loads((tmp_path / "compare.json").read_text()), SCHEMA)
 
 
+def recorded_copies(learning_rates: LearningRates, root: Path) -> list[Candidate]:
+    """Two copies of the fixture's baseline run, for reports built from records a test then changes."""
+    source = Path(candidate(learning_rates.report, "32-true")["directory"])
+    runs = []
+    for name in ("base", "other"):
+        shutil.copytree(source, root / name)
+        runs.append(Candidate(name, "32-true", ["python", "t.py"], root / name, returncode=0))
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (
+            lambda record: record["ranks"][0].update(batch_hash="0" * 64),
+            "the first training batch differs between runs (rank 0: other against the baseline base). Fix: call"
+            " `lightning.seed_everything(...)` before building the DataLoader, or give it a torch.Generator with a"
+            " fixed seed; with LightningCLI, set `seed_everything: 42` in the config",
+        ),
+        (
+            lambda record: record.update(world_size=2),
+            "the runs trained on different numbers of ranks (base: 1, other: 2). Fix: launch every candidate the same"
+            " way",
+        ),
+    ],
+)
+def test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_the_fix(
+    change: Any, problem: str, learning_rates: LearningRates, tmp_path: Path
+) -> None:
+    runs = recorded_copies(learning_rates, tmp_path)
+    path = runs[1].directory / "record.json"
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    assert report["problem"] == problem
+    assert [entry["status"] for entry in report["candidates"]] == ["not compared", "not compared"]
+
+
+def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
+    learning_rates: LearningRates, tmp_path: Path
+) -> None:
+    runs = recorded_copies(learning_rates, tmp_path)
+    (runs[1].directory / "record.json").unlink()
+    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    assert candidate(report, "other")["reason"] == (
+        "the command finished without a record: it never completed a Trainer.fit of lightning or pytorch_lightning,"
+        " or its Python ignored PYTHONPATH (python -E or -I)"
+    )
+
+
+def test_an_unreadable_ckpt_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "broken.ckpt").write_text("not a checkpoint")
+    with pytest.raises(SystemExit):
+        compare.main(["a", "b", "--ckpt", str(tmp_path / "broken.ckpt"), "--out", str(tmp_path / "out"), "--", "x"])
+    error = capsys.readouterr().err
+    assert f"--ckpt={str((tmp_path / 'broken.ckpt').resolve())!r}: torch.load cannot read it (" in error
+    assert "Fix: pass a checkpoint a Trainer saved" in error
+
+
 def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callable(tmp_path: Path) -> None:
     class Remote(pl.loggers.Logger):
         name, version = "remote", 0
@@ -431,7 +491,8 @@ def test_the_final_weights_of_apex_o2_are_its_fp32_masters(apex_double: ModuleTy
     masters = {id(param): master for param, master in plugin.amp_backend.master_weight_pairs()}
     assert masters and all(param.dtype == torch.float16 for name, param in module.named_parameters())
     for name, param in module.named_parameters():
-        assert weights[name] is masters[id(param)]
+        master = masters[id(param)]
+        assert torch.equal(weights[name], master) and weights[name].data_ptr() == master.data_ptr()  # the master
 
 
 def test_a_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:

@@ -325,7 +325,7 @@ class Recording:
         def hashed_convert_input(data: Any) -> Any:
             # The training loop casts a batch here (apex O2, "16-true", ...) before it moves it to the device.
             if self.batch_hash is None and trainer.training:
-                self.batch_hash = _hash_tensors(dict(enumerate(_tensors(data))))
+                self.batch_hash = _hash_batch(data)
             return convert_input(data)
 
         self._restore = [
@@ -336,7 +336,7 @@ class Recording:
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
-            self.batch_hash = _hash_tensors(dict(enumerate(_tensors(batch))))
+            self.batch_hash = _hash_batch(batch)
         if self._opened is None:
             self._opened = _now(pl_module.device)
 
@@ -477,13 +477,8 @@ def _shadow(owner: Any, name: str, replacement: Callable[..., Any]) -> Callable[
 def _trained_weights(pl_module: Any, plugin: Any) -> dict[str, Tensor]:
     """The LightningModule's state, with apex O2's fp32 masters in place of the fp16 weights they train."""
     state: dict[str, Tensor] = pl_module.state_dict()
-    if hasattr(plugin, "amp_backend"):
-        names: dict[int, list[str]] = {}
-        for name, param in pl_module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        for param, master in plugin.amp_backend.master_weight_pairs():
-            for name in names.get(id(param), []):
-                state[name] = master
+    if hasattr(plugin, "put_fp32_masters"):  # AmpPrecision
+        plugin.put_fp32_masters(state, pl_module)
     return state
 
 
@@ -500,6 +495,10 @@ def _tensors(data: Any) -> Iterator[Tensor]:
     elif dataclasses.is_dataclass(data) and not isinstance(data, type):
         for field in dataclasses.fields(data):
             yield from _tensors(getattr(data, field.name))
+
+
+def _hash_batch(batch: Any) -> str:
+    return _hash_tensors(dict(enumerate(_tensors(batch))))
 
 
 def _hash_tensors(tensors: dict[Any, Tensor]) -> str:

@@ -81,9 +81,14 @@ class Candidate:
     returncode: int | None = None
     error: str | None = None
 
+    _record: dict[str, Any] | None = dataclasses.field(default=None, init=False, repr=False)
+
     def record(self) -> dict[str, Any] | None:
-        path = self.directory / RECORD_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
+        """The run's ``record.json``, read once the run has ended."""
+        if self._record is None:
+            path = self.directory / RECORD_FILE
+            self._record = json.loads(path.read_text()) if path.is_file() else None
+        return self._record
 
     def failure(self) -> str | None:
         """Why the run failed, preferring the error a rank raised; None when it finished with a record.

@@ -355,19 +355,26 @@ class AmpPrecision(Precision):
         state = checkpoint.get(type(self).__qualname__)
         if self._built is None or not isinstance(state, dict):
             return
-        names: dict[int, list[str]] = {}  # every name of a parameter: tied weights have several
-        for name, param in self._model.named_parameters(remove_duplicate=False) if self._model else ():
-            names.setdefault(id(param), []).append(name)
-        weights = checkpoint.get("state_dict", {})
-        for stepped, master in self.amp_backend.master_weight_pairs():
-            for name in names.get(id(stepped), []):
-                if name in weights:
-                    weights[name] = master.detach()  # shares its storage with master_weights: saved once
+        if self._model is not None and "state_dict" in checkpoint:
+            self.put_fp32_masters(checkpoint["state_dict"], self._model)
         scalers = state.get("loss_scalers") or []
         if state.get("grad_scaler"):  # torch's AMP wrote it itself
             checkpoint.setdefault("MixedPrecision", state["grad_scaler"])
         elif scalers and self.amp_backend.may_skip_steps:
             checkpoint.setdefault("MixedPrecision", grad_scaler_state(scalers[0]))
+
+    def put_fp32_masters(self, state: dict[str, Tensor], module: Module) -> None:
+        """Replace, in ``module``'s ``state``, apex O2's fp16 weights by the fp32 masters the optimizer steps.
+
+        Every name of a tied weight is replaced; the masters are not copied (a checkpoint saves them once).
+        """
+        names: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        for stepped, master in self.amp_backend.master_weight_pairs():
+            for name in names.get(id(stepped), []):
+                if name in state:
+                    state[name] = master.detach()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

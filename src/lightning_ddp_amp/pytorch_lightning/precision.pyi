@@ -237,6 +237,13 @@ class AmpPrecision(Precision):
         """
         ...
 
+    def put_fp32_masters(self, state: dict[str, Tensor], module: Module) -> None:
+        """Replace, in ``module``'s ``state``, apex O2's fp16 weights by the fp32 masters the optimizer steps.
+
+        Every name of a tied weight is replaced; the masters are not copied (a checkpoint saves them once).
+        """
+        ...
+
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         ...
