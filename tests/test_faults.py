@@ -1,6 +1,6 @@
 """Fault injection with real processes and signals: crashes under torchrun restarts, preemption, dead and hanging
-peers, a rank alone, a checkpoint write killed halfway, broken checkpoints, a mid-epoch checkpoint resumed under
-another world size (workers/train_faults.py)."""
+peers, a rank alone, a checkpoint write killed halfway, broken checkpoints (workers/train_faults.py); a mid-epoch
+checkpoint resumed on another number of ranks is test_elastic.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -414,46 +413,3 @@ def test_a_writer_killed_during_a_save_leaves_the_previous_checkpoint_intact(run
     last = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 4  # the save at step 8 never replaced it
     assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=4.ckpt", "last.ckpt"]
-
-
-# --- a mid-epoch checkpoint under another world size ----------------------------------------------------------
-
-
-def trained(out: Path) -> Counter[int]:
-    """How many times each sample was trained, over every rank and every start (``--record``)."""
-    return Counter(int(index) for index in (out / "trained").read_text().split())
-
-
-def test_two_ranks_refuse_a_one_process_mid_epoch_checkpoint_before_training_a_sample(
-    torchrun: Torchrun, runs: Path
-) -> None:
-    out = runs / "one-to-two"
-    # One process, killed after step 2 of its 16-step epoch, just after it saved epoch=0-step=2.ckpt.
-    run_plain(out, "--every", "2", "--record", "--kill-rank", "0", "--kill-at-step", "2")
-    saved = out / "checkpoints" / "epoch=0-step=2.ckpt"
-    before = trained(out)
-    result = torchrun.run(SCRIPT, "--out", str(out), "--every", "2", "--auto-resume", "--record", timeout=240)
-    assert result.returncode != 0
-    assert f"CheckpointError: ckpt_path='{saved}': auto_resume picked it as the newest checkpoint in" in result.stdout
-    assert "(world size 1 then, 2 now; global batch 4 then, 8 now)" in result.stdout, result.stdout[-4000:]
-    assert f"move epoch=0-step=2.ckpt out of {saved.parent}" in result.stdout
-    assert trained(out) == before
-    assert sorted(before.values()) == [1] * 8  # the 4 samples of each of steps 1 and 2, once each
-
-
-def test_one_process_refuses_a_two_rank_mid_epoch_checkpoint_before_training_a_sample(
-    torchrun: Torchrun, runs: Path
-) -> None:
-    out = runs / "two-to-one"
-    out.mkdir()
-    torchrun.run(SCRIPT, "--out", str(out), "--every", "2", "--record", "--kill-rank", "1", "--kill-at-step", "2")
-    saved = out / "checkpoints" / "epoch=0-step=2.ckpt"
-    before = trained(out)
-    result = run_plain(out, "--every", "2", "--auto-resume", "--record")
-    assert result.returncode != 0
-    assert f"CheckpointError: ckpt_path='{saved}': auto_resume picked it as the newest checkpoint in" in result.stdout
-    assert "(world size 2 then, 1 now; global batch 8 then, 4 now)" in result.stdout, result.stdout[-4000:]
-    assert trained(out) == before
-    # Up to 2 steps of 4 samples on each of the 2 ranks, once each (torchrun may stop rank 0 before it notes step 2).
-    assert set(before.values()) == {1}
-    assert 12 <= sum(before.values()) <= 16

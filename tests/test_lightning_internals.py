@@ -207,6 +207,36 @@ def test_epoch_progress_counts_the_batches_of_the_current_epoch_whose_step_is_do
     assert recorder.seen == [(1, 3), (2, 3), (3, 3)] * 2
 
 
+class MovesTheEpochsBatches(Callback):
+    """Moves the resumed epoch's count of batches when training starts (as the strategy's hook does), then records
+    the batch indices Lightning trains."""
+
+    def __init__(self, by: int) -> None:
+        self.by = by
+        self.seen: list[int] = []
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        _lightning.move_epoch_batches(trainer, self.by)
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append(batch_idx)
+
+
+@pytest.mark.parametrize(("by", "seen"), [(0, [2, 3]), (1, [3]), (-1, [1, 2, 3])])
+def test_move_epoch_batches_moves_where_a_resumed_epoch_counts_from_and_so_where_it_ends(
+    tmp_path: Path, by: int, seen: list[int]
+) -> None:
+    _checkpoints_of_one_four_batch_epoch(tmp_path, stateful=False)  # epoch=0-step=2.ckpt: 2 of 4 batches trained
+    recorder = MovesTheEpochsBatches(by)
+    trainer = _quiet_trainer(max_epochs=1, limit_val_batches=0, callbacks=[recorder])
+    trainer.fit(
+        BoringModel(), DataLoader(torch.randn(16, 32), batch_size=4), ckpt_path=tmp_path / "epoch=0-step=2.ckpt"
+    )
+    assert recorder.seen == seen
+    assert trainer.global_step == 2 + len(seen)
+    assert trainer.current_epoch == 1  # the epoch ended when the count reached the DataLoader's length
+
+
 class HookRecorder(Callback):
     def __init__(self) -> None:
         self.calls = 0

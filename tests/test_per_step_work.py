@@ -28,8 +28,9 @@ DOCUMENTED = {
     "resume.AutoResume.on_train_batch_start",
     # The no-op that stands in for Lightning's per-step SIGTERM broadcast (which waits for every rank).
     "_lightning.disable_sigterm_broadcast.<locals>.<lambda>",
-    # Once per epoch, not per step: the sampler's order for the new epoch.
+    # Once per epoch, not per step: the sampler's order for the new epoch, and what a checkpoint records of it.
     "data._ResumesMidEpoch.__iter__",
+    "data.ResumableDistributedSampler.own_order",
 }
 #: With AmpPrecision, its Lightning hooks and the native backend's autocast / GradScaler calls.
 DOCUMENTED_AMP = DOCUMENTED | {

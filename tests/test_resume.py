@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from conftest import drop_loader_positions
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import RunningStage
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
 from lightning_ddp_amp._namespaces import namespaced_modules
@@ -132,23 +133,35 @@ def training_loader(
     batch_size: int = 2,
     shuffle: bool = True,
     seed: int = 0,
+    rank: int = 0,
     **kwargs: Any,
 ) -> DataLoader:
-    """Rank 0's training DataLoader over ``length`` samples on ``world`` ranks, as the strategy hands it to Lightning."""
+    """Rank ``rank``'s training DataLoader over ``length`` samples on ``world`` ranks, as the strategy hands it to
+    Lightning."""
     loader = DataLoader(TensorDataset(torch.arange(length)), batch_size=batch_size, shuffle=shuffle)
     kwargs.setdefault("resuming", MID_EPOCH)
     sharded = shard_dataloader(
-        loader, stage=RunningStage.TRAINING, num_replicas=world, rank=0, seed=seed, progress=lambda: progress, **kwargs
+        loader,
+        stage=RunningStage.TRAINING,
+        num_replicas=world,
+        rank=rank,
+        seed=seed,
+        progress=lambda: progress,
+        **kwargs,
     )
     assert isinstance(sharded, DataLoader)
     return sharded
 
 
-def test_a_checkpoint_records_the_position_and_the_data_layout() -> None:
-    assert training_loader(2).state_dict() == {
+def test_a_checkpoint_records_the_position_its_samples_their_order_and_the_data_layout() -> None:
+    loader = training_loader(2)
+    next(iter(loader))  # the pass under way names its order
+    assert loader.state_dict() == {
         "epoch": 0,
         "batches": 3,
         "epoch_batches": 4,
+        "samples": 12,  # 3 steps of 2 ranks of 2 samples
+        "order": {"kind": "permutation", "seed": 0},
         "layout": {"world_size": 2, **FRESH_LAYOUT},
     }
 
@@ -175,27 +188,30 @@ def test_one_process_leaves_a_dataloader_that_saves_its_own_position_alone() -> 
     assert loader.state_dict() == {"own": True}
 
 
+def without_samples(state: dict[str, Any]) -> dict[str, Any]:
+    """A position as lightning_ddp_amp saved it before positions recorded their samples and order."""
+    return {name: value for name, value in state.items() if name not in ("samples", "order")}
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed", "told"),
     [
-        (training_loader(2), training_loader(3), "world size 2 then, 3 now; global batch 4 then, 6 now"),
-        (training_loader(1), training_loader(2), "world size 1 then, 2 now; global batch 2 then, 4 now"),
-        (training_loader(2), training_loader(1), "world size 2 then, 1 now; global batch 4 then, 2 now"),
         (training_loader(2), training_loader(2, length=40), "dataset length 16 then, 40 now"),
-        (training_loader(1), training_loader(1, length=40), "dataset length 16 then, 40 now"),
+        (training_loader(1), training_loader(3, length=40), "dataset length 16 then, 40 now"),
         (training_loader(2), training_loader(2, seed=1), "seed 0 then, 1 now"),
-        (training_loader(2), training_loader(2, shuffle=False), "shuffle True then, False now"),
+        (training_loader(2), training_loader(1, shuffle=False), "shuffle True then, False now"),
         (
-            training_loader(2),
             training_loader(2, batch_size=4, split_batches=True),
-            "split_batches False then, True now",
+            training_loader(3, batch_size=6, split_batches=True),
+            "global batch 4 then, 6 now",
         ),
     ],
-    ids=["2-to-3", "1-to-2", "2-to-1", "other-dataset", "other-dataset-one-process", "seed", "shuffle", "split"],
+    ids=["other-dataset", "other-dataset-one-process", "seed", "shuffle", "split-other-global-batch"],
 )
 def test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_value(
     saved: DataLoader, resumed: DataLoader, told: str
 ) -> None:
+    next(iter(saved))
     with pytest.raises(CheckpointError) as raised:
         resumed.load_state_dict(saved.state_dict())
     message = str(raised.value)
@@ -205,6 +221,97 @@ def test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_val
         " has already trained. Fix: relaunch with that run's layout ("
     )
     assert "or pass trainer.fit(ckpt_path=...) a checkpoint saved at the end of an epoch" in message
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "told"),
+    [
+        (training_loader(2), training_loader(3), "world size 2 then, 3 now; global batch 4 then, 6 now"),
+        (training_loader(1), training_loader(2), "world size 1 then, 2 now; global batch 2 then, 4 now"),
+    ],
+    ids=["2-to-3", "1-to-2"],
+)
+def test_a_position_saved_before_it_recorded_its_samples_continues_only_on_its_number_of_ranks(
+    saved: DataLoader, resumed: DataLoader, told: str
+) -> None:
+    with pytest.raises(CheckpointError, match=rf"\({told}\)"):
+        resumed.load_state_dict(without_samples(saved.state_dict()))
+
+
+def samples_of(loader: DataLoader) -> list[int]:
+    return [i for (batch,) in loader for i in batch.tolist()]
+
+
+def distributed_order(length: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """An epoch's order as torch's own DistributedSampler draws it (one replica: no padding, no sharding)."""
+    sampler = DistributedSampler(range(length), num_replicas=1, rank=0, shuffle=shuffle, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_a_position_saved_on_two_ranks_continues_on_any_number_with_each_remaining_sample_once(world: int) -> None:
+    saved = training_loader(2, (1, 3, 4))  # 3 steps of epoch 1 on 2 ranks of 2: the order's first 12 samples
+    next(iter(saved))
+    state = saved.state_dict()
+    shards = []
+    for rank in range(world):
+        resumed = training_loader(world, (1, 3, 4), rank=rank)
+        resumed.load_state_dict(state)
+        shards.append(samples_of(resumed))
+    order = distributed_order(16, epoch=1)
+    # The rest, padded to a multiple of the world size with the epoch's first samples; rank r takes every world-th.
+    rest = order[12:] + order[: -4 % world]
+    assert shards == [rest[rank::world] for rank in range(world)]
+    assert len({len(shard) for shard in shards}) == 1  # every rank the same number of samples, none empty
+
+
+def test_one_process_keeps_the_random_samplers_order_and_its_draw_from_the_global_generator() -> None:
+    plain = DataLoader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True)
+    kept = training_loader(1)
+    torch.manual_seed(3)
+    expected = [samples_of(plain) for _ in range(2)], torch.rand(1)
+    torch.manual_seed(3)
+    assert ([samples_of(kept) for _ in range(2)], torch.rand(1)) == expected
+    assert isinstance(kept.sampler, RandomSampler)
+
+
+def test_a_one_process_position_continues_on_two_ranks_in_the_random_samplers_order() -> None:
+    saved = training_loader(1, (0, 3, 8))  # 3 of 8 batches of 2 in one process: 6 samples
+    torch.manual_seed(5)
+    epoch = samples_of(saved)
+    state = saved.state_dict()
+    assert state["order"]["kind"] == "generator"
+    shards = []
+    for rank in range(2):
+        resumed = training_loader(2, (0, 3, 8), rank=rank)
+        resumed.load_state_dict(state)
+        shards.append(samples_of(resumed))
+    assert shards == [epoch[6:][rank::2] for rank in range(2)]  # 10 left: no padding on 2 ranks
+    alone = training_loader(1, (0, 3, 8))
+    alone.load_state_dict(state)
+    assert samples_of(alone) == epoch[6:]
+    assert len(samples_of(alone)) == 16  # the next pass is whole
+
+
+def test_one_process_continues_a_sharded_position_in_the_checkpoints_order_for_the_rest_of_the_epoch() -> None:
+    saved = training_loader(2, (0, 1, 4))
+    next(iter(saved))
+    alone = training_loader(1, (0, 1, 4))
+    with pytest.warns(UserWarning, match="the rest of the epoch trains 2 samples per step"):
+        alone.load_state_dict(saved.state_dict())
+    assert samples_of(alone) == distributed_order(16, epoch=0)[4:]
+
+
+def test_split_batches_that_the_new_world_size_cannot_divide_names_both_sizes_and_the_ranks_that_can() -> None:
+    with pytest.raises(StrategyConfigurationError) as raised:
+        training_loader(3, batch_size=4, split_batches=True)
+    assert str(raised.value) == (
+        "split_batches=True: DataLoader(batch_size=4) does not divide evenly across WORLD_SIZE=3 ranks, and"
+        " /runs/epoch=0-step=3.ckpt continues an epoch whose steps each trained 4 samples. Fix: launch 1, 2, 4"
+        " rank(s) to continue it with the same global batches; or use a batch_size that is a multiple of 3, or"
+        " EnvDDPStrategy(split_batches=False) (the global batch then changes)"
+    )
 
 
 def test_an_end_of_epoch_position_resumes_in_any_layout() -> None:
@@ -278,8 +385,12 @@ def test_lightning_hands_a_saved_position_only_to_a_dataloader_set_up_after_the_
 ) -> None:
     # What the refusal above says of Lightning: if a release hands positions over in both cases, this fails.
     fit(tmp_path, max_steps=2)
-    with pytest.warns(UserWarning, match="saved in the middle of an epoch, and in one process"):
+    # One process continues a position it was handed, and starts the epoch over (warned) without one.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer, _ = fit(tmp_path, model=model())
+    new_pass = [w for w in caught if "saved in the middle of an epoch, and in one process" in str(w.message)]
+    assert len(new_pass) == (0 if handed_over else 1)
     position = _position_of(trainer.train_dataloader)
     assert position is not None
     assert position.restored == handed_over

@@ -13,24 +13,36 @@ epochs exactly as in the recipe. A training DataLoader left at ``shuffle=False``
 ``DistributedSampler`` shuffled by default, so a script migrated by dropping the sampler but keeping
 ``shuffle=False`` would train on the same order every epoch; :func:`warn_unshuffled_training_shards` says so.
 
-A sharded training DataLoader is also resumable in Lightning's sense (it has ``state_dict`` / ``load_state_dict``):
-a checkpoint records the epoch, how many batches of it were trained, and the :class:`DataLayout` they were counted
-in; resuming from it skips exactly those samples, in the same shuffled order and the same shards, so a crash
-mid-epoch costs only the steps since the checkpoint. In one process nothing is sharded and Lightning's behaviour is
-kept, but the checkpoint records the layout too. A position saved mid-epoch names the same samples only under the
-same layout, so a fit that continues one under another layout (another world size, data set, batch, seed or order),
-or without the position a sharded DataLoader needs, stops before its first batch with a ``CheckpointError``; a
-checkpoint saved at the end of an epoch resumes under any layout.
+A training DataLoader is also resumable in Lightning's sense (it has ``state_dict`` / ``load_state_dict``): a
+checkpoint records the epoch, how many of its samples were trained, the order they were drawn in and the
+:class:`DataLayout` they were counted in. Resuming from it trains the rest of that epoch, each remaining sample once,
+on any number of ranks (an elastic resume):
+
+* the order of an epoch does not depend on the world size (``DistributedSampler``'s permutation of seed + epoch, or
+  in one process the ``RandomSampler``'s own order, whose generator state the checkpoint records), and ``b``
+  batches at world size ``W`` trained exactly its first ``b * global batch`` samples;
+* the rest of the epoch, ``order[trained:]``, is padded to a multiple of the new world size with the epoch's first
+  samples, as ``DistributedSampler`` pads, and rank ``r`` takes every ``W'``-th sample from ``r`` on. So with
+  ``split_batches`` the global batches that follow are those of the uninterrupted run; without it each rank keeps
+  its batch and the global batch becomes ``batch * W'`` (warned), the last step shortened on every rank alike;
+* Lightning's count of the epoch's batches is moved so that the resumed epoch ends where an uninterrupted run at the
+  new world size ends it (:func:`align_resumed_epoch`): ``batch_idx``, validation and gradient accumulation count
+  in the new world size's batches, at the indices of that run's last batches.
+
+A one-process run keeps its DataLoader (its ``RandomSampler`` yields what it always did; it only notes the state
+each pass starts from). A fit that continues a mid-epoch position in another data set, seed or order, or with
+``split_batches`` another global batch, or without the position a DataLoader needs, stops before its first batch
+with a ``CheckpointError``; a checkpoint saved at the end of an epoch resumes under any layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
@@ -65,7 +77,9 @@ def shard_dataloader(
     """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
 
     In one process (``num_replicas=1``) the DataLoader is returned as it is: nothing to shard or split. A training
-    DataLoader with ``progress`` still records its position and layout in checkpoints.
+    DataLoader with ``progress`` still records its position, order and layout in checkpoints; one with a sampler of
+    the script's own that continues an epoch is rebuilt with one replica of the sharding wrapper, which yields the
+    sampler's order unchanged but can leave out what the epoch already trained.
 
     Args:
         dataloader: What the LightningModule or DataModule returned.
@@ -93,14 +107,18 @@ def shard_dataloader(
         # Nothing to shard or split. The training DataLoader still records its position and layout: a checkpoint
         # then holds a position for the same DataLoaders at every world size, as Lightning needs to hand them back.
         training = stage == RunningStage.TRAINING and shard and _shardable(source)
-        if training and progress is not None and not _resumable_of_its_own(dataloader):
+        if not training or progress is None or _resumable_of_its_own(dataloader):
+            return dataloader
+        assert _shardable(source)
+        keeper = _keep_order(source)
+        if keeper is not None or resuming is None or not resuming.mid_epoch:
             layout = DataLayout.of(dataloader, source, num_replicas=1, seed=seed, split_batches=split_batches)
-            _Position(dataloader, layout, progress, None, resuming).attach()
-        return dataloader
+            _Position(dataloader, layout, progress, keeper, resuming).attach()
+            return dataloader
     unrepeated = exact_eval and stage != RunningStage.TRAINING
     if unrepeated:
         _check_exact_eval(dataloader, source, num_replicas)
-    batch_size = _per_rank_batch_size(dataloader, num_replicas) if split_batches else None
+    batch_size = _per_rank_batch_size(dataloader, num_replicas, resuming) if split_batches else None
     sampler: Sampler[Any] | Iterable[Any] | None = None
     if shard and _shardable(source):
         sampler = _distributed_sampler(dataloader, source, unrepeated, num_replicas=num_replicas, rank=rank, seed=seed)
@@ -147,30 +165,171 @@ def _named_dataloaders(loaders: object, key: str) -> Iterator[tuple[str, DataLoa
             yield from _named_dataloaders(inner, f"{key}[{index}]")
 
 
-class _ResumesMidEpoch:
-    """For training samplers: the first pass over a resumed epoch leaves out the samples already trained on."""
+@dataclass(frozen=True)
+class _Resume:
+    """Where a resumed epoch stands: ``samples`` of its ``order`` (see :func:`epoch_order`) are trained."""
 
     epoch: int
-    _resume: tuple[int, int] | None = None
+    samples: int
+    order: Mapping[str, Any]
 
-    def resume_at(self, epoch: int, samples: int) -> None:
-        self._resume = (epoch, samples)
+
+def epoch_order(order: Mapping[str, Any], length: int, epoch: int) -> list[int]:
+    """The positions of an epoch's ``length`` samples in the order a checkpoint recorded, before padding and sharding.
+
+    ``order["kind"]`` is ``"permutation"`` (``DistributedSampler(shuffle=True)``: torch's permutation of
+    ``seed + epoch``), ``"generator"`` (a one-process ``RandomSampler``: its permutation from the generator state
+    its pass started from), ``"sequential"``, or ``"sampler"`` (a sampler of the script's own: positions in the
+    order it yields).
+    """
+    if order["kind"] in ("permutation", "generator"):
+        generator = torch.Generator()
+        if order["kind"] == "permutation":
+            generator.manual_seed(int(order["seed"]) + epoch)  # DistributedSampler's own draw
+        else:
+            generator.set_state(order["state"])
+        return torch.randperm(length, generator=generator).tolist()
+    return list(range(length))
+
+
+def rest_of_epoch(order: list[int], trained: int, num_replicas: int) -> list[int]:
+    """What an epoch in ``order`` has left after its first ``trained`` samples, for ``num_replicas`` ranks: padded to
+    a multiple of ``num_replicas`` with the epoch's first samples, as ``DistributedSampler`` pads its epoch."""
+    rest = order[trained:]
+    while len(rest) % num_replicas:
+        rest += order[: num_replicas - len(rest) % num_replicas]
+    return rest
+
+
+class _ResumesMidEpoch:
+    """For training samplers of several ranks: the first pass over a resumed epoch yields only what it had left.
+
+    It also notes the order of each pass (:attr:`order_of_pass`), which checkpoints record.
+    """
+
+    epoch: int
+    num_replicas: int
+    rank: int
+    dataset: Any
+    set_epoch: Callable[[int], None]
+    _resume: _Resume | None = None
+    #: The order of the pass being iterated (see :func:`epoch_order`).
+    order_of_pass: Mapping[str, Any] | None = None
+
+    def resume_at(self, resume: _Resume) -> None:
+        self._resume = resume
+
+    def own_order(self) -> dict[str, Any]:
+        """The order of a pass that continues nothing."""
+        raise NotImplementedError
+
+    def order_length(self) -> int:
+        return len(self.dataset)
 
     def __iter__(self) -> Iterator[Any]:
-        indices: Iterator[Any] = super().__iter__()  # type: ignore[misc]
-        if self._resume is None or self._resume[0] != self.epoch:
-            return indices
-        skip = self._resume[1]
+        resume = self._resume
+        if resume is None or resume.epoch != self.epoch:
+            self.order_of_pass = self.own_order()
+            return super().__iter__()  # type: ignore[misc,no-any-return]
         self._resume = None
-        return itertools.islice(indices, skip, None)
+        self.order_of_pass = resume.order
+        order = epoch_order(resume.order, self.order_length(), resume.epoch)
+        return self._at(rest_of_epoch(order, resume.samples, self.num_replicas)[self.rank :: self.num_replicas])
+
+    def _at(self, positions: list[int]) -> Iterator[Any]:
+        return iter(positions)
 
 
 class ResumableDistributedSampler(_ResumesMidEpoch, DistributedSampler[Any]):
-    """``DistributedSampler`` that can resume mid-epoch."""
+    """``DistributedSampler`` that can resume mid-epoch, on any number of ranks."""
+
+    def own_order(self) -> dict[str, Any]:
+        return {"kind": "permutation", "seed": self.seed} if self.shuffle else {"kind": "sequential"}
 
 
 class ResumableDistributedSamplerWrapper(_ResumesMidEpoch, DistributedSamplerWrapper):
     """Lightning's ``DistributedSamplerWrapper`` (shards a user's sampler) that can resume mid-epoch."""
+
+    def own_order(self) -> dict[str, Any]:
+        return {"kind": "sampler"}
+
+    def _at(self, positions: list[int]) -> Iterator[Any]:
+        self.dataset.reset()  # the user's sampler's order of this pass, as the wrapper reads it
+        return (self.dataset[position] for position in positions)
+
+
+class _KeepsOrder:
+    """For a one-process training DataLoader's own sampler: yields what it always did, notes the order of each pass,
+    and can continue an epoch (set on the instance, :func:`_keep_order`)."""
+
+    data_source: Any
+    epoch: int = 0
+    _resume: _Resume | None = None
+    order_of_pass: Mapping[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning sets the epoch of a sampler that has this method; the order itself does not depend on it."""
+        self.epoch = epoch
+
+    def resume_at(self, resume: _Resume) -> None:
+        self._resume = resume
+
+    def order_length(self) -> int:
+        return len(self.data_source)
+
+    def _continued(self) -> list[int] | None:
+        """The rest of a resumed epoch, once; None for a pass that continues nothing."""
+        resume = self._resume
+        if resume is None or resume.epoch != self.epoch:
+            return None
+        self._resume = None
+        self.order_of_pass = resume.order
+        return rest_of_epoch(epoch_order(resume.order, self.order_length(), resume.epoch), resume.samples, 1)
+
+
+class _OrderedRandomSampler(RandomSampler, _KeepsOrder):
+    """``RandomSampler`` that notes the generator state each pass starts from."""
+
+    def __iter__(self) -> Iterator[int]:
+        # A generator function, as RandomSampler's own: its draw from the global RNG happens at the first sample.
+        continued = self._continued()
+        if continued is not None:
+            yield from continued
+            return
+        own = generator = self.generator
+        if generator is None:  # RandomSampler's own draw of a seed
+            generator = torch.Generator()
+            generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        self.order_of_pass = {"kind": "generator", "state": generator.get_state()}
+        self.generator = generator
+        try:
+            yield from super().__iter__()
+        finally:
+            self.generator = own
+
+
+class _OrderedSequentialSampler(SequentialSampler, _KeepsOrder):
+    """``SequentialSampler`` that can continue an epoch."""
+
+    def __iter__(self) -> Iterator[int]:
+        continued = self._continued()
+        self.order_of_pass = {"kind": "sequential"}
+        return iter(continued) if continued is not None else super().__iter__()
+
+
+def _keep_order(source: Sampler[Any] | Iterable[Any]) -> _KeepsOrder | None:
+    """Have a one-process training DataLoader's ``RandomSampler`` or ``SequentialSampler`` note its order.
+
+    The instance's class becomes a subclass that yields the same samples: the DataLoader, which does not allow its
+    sampler to be replaced, stays the user's. None for any other sampler, and for a ``RandomSampler`` that draws
+    with replacement or another number of samples than the data set has. (The subclasses name the sampler's class
+    first: CPython allows the swap only when the new class's first base is the old class.)
+    """
+    if type(source) is RandomSampler and not source.replacement and source.num_samples == len(source.data_source):
+        source.__class__ = _OrderedRandomSampler
+    elif type(source) is SequentialSampler:
+        source.__class__ = _OrderedSequentialSampler
+    return source if isinstance(source, _KeepsOrder) else None
 
 
 def _distributed_sampler(
@@ -224,7 +383,12 @@ class DataLayout:
             length: int | None = len(loader.dataset)  # type: ignore[arg-type]
         except TypeError:
             length = None
-        order = {RandomSampler: True, SequentialSampler: False}.get(type(source))
+        order = {
+            RandomSampler: True,
+            _OrderedRandomSampler: True,
+            SequentialSampler: False,
+            _OrderedSequentialSampler: False,
+        }.get(type(source))
         return cls(
             world_size=num_replicas,
             dataset_length=length,
@@ -258,6 +422,17 @@ def _named(field: str) -> str:
     return field if field == "split_batches" else field.replace("_", " ")
 
 
+@dataclass(frozen=True)
+class _Anchor:
+    """Where a resumed epoch started in this run: at Lightning's batch ``start`` (moved by
+    :func:`align_resumed_epoch`), with ``samples`` of its order trained and ``batches`` of this DataLoader left."""
+
+    epoch: int
+    start: int
+    samples: int
+    batches: int
+
+
 class _Position:
     """A training DataLoader's place in its epoch, in its layout: Lightning saves ``state_dict()`` in checkpoints
     and hands it back to ``load_state_dict`` before the first batch of a resumed fit.
@@ -266,8 +441,9 @@ class _Position:
         loader: The DataLoader each rank reads.
         layout: Its layout.
         progress: The current epoch, how many of its batches are trained, and how many it has.
-        sampler: The sampler that skips what a resumed epoch already trained; None in one process, where the
-            DataLoader starts its epoch over (Lightning's behaviour for a DataLoader it cannot resume).
+        sampler: The sampler that notes its order and leaves out what a resumed epoch already trained; None for a
+            one-process DataLoader with a sampler of the script's own, which starts a resumed epoch over
+            (Lightning's behaviour for a DataLoader it cannot resume) unless the fit continues one mid-epoch.
         resuming: The checkpoint this fit continues from, for errors.
     """
 
@@ -276,7 +452,7 @@ class _Position:
         loader: DataLoader[Any],
         layout: DataLayout,
         progress: Callable[[], tuple[int, int, int]],
-        sampler: Any,
+        sampler: _ResumesMidEpoch | _KeepsOrder | None,
         resuming: ResumePoint | None,
     ) -> None:
         self.loader = loader
@@ -286,25 +462,50 @@ class _Position:
         self._resuming = resuming or ResumePoint("checkpoint", mid_epoch=True, loader_states=1)
         #: Whether a checkpoint handed this DataLoader a position.
         self.restored = False
+        #: The epoch this fit resumed in the middle of, once restored; moved by :func:`align_resumed_epoch`.
+        self.anchor: _Anchor | None = None
 
     def attach(self) -> None:
         _lightning.make_stateful(self.loader, self.state_dict, self.load_state_dict)
 
     def state_dict(self) -> dict[str, Any]:
         epoch, batches, epoch_batches = self._progress()
-        return {
+        state: dict[str, Any] = {
             "epoch": epoch,
             "batches": batches,
             "epoch_batches": epoch_batches,
             "layout": dataclasses.asdict(self.layout),
         }
+        if self.layout.global_batch is not None:
+            state["samples"] = self._trained(epoch, batches, self.layout.global_batch)
+        order = self._sampler.order_of_pass if self._sampler is not None else {"kind": "sampler"}
+        if order is not None:
+            state["order"] = dict(order)
+        return state
+
+    def _trained(self, epoch: int, batches: int, global_batch: int) -> int:
+        """How many samples of the current pass's order ``batches`` of ``epoch`` trained.
+
+        A DataLoader shorter than the epoch cycles (Lightning's default "max_size_cycle"): its pass is ``batches``
+        modulo its length in.
+        """
+        passes = max(len(self.loader), 1)
+        anchor = self.anchor
+        if anchor is None or anchor.epoch != epoch:
+            return batches % passes * global_batch
+        since = batches - anchor.start
+        if since < anchor.batches:  # still in the resumed pass
+            return anchor.samples + since * global_batch
+        return (since - anchor.batches) % passes * global_batch
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: skip the samples its epoch already trained.
+        """Continue from ``state``: leave out the samples its epoch already trained.
 
         Raises:
-            CheckpointError: ``state`` was saved mid-epoch in another layout, or records none; or it is not a
-                position envddp saved (a DataLoader that saves its own, e.g. torchdata's, saved by one process).
+            CheckpointError: ``state`` was saved mid-epoch with another data set, seed, order or (with
+                ``split_batches``) global batch, or records none of them, or (saved before positions recorded
+                their samples) by another number of ranks; or it is not a position envddp saved (a DataLoader
+                that saves its own, e.g. torchdata's, saved by one process).
         """
         self.restored = True
         if not {"epoch", "batches"} <= state.keys():
@@ -322,9 +523,12 @@ class _Position:
             if self._sampler is not None:
                 self._sampler.set_epoch(epoch + 1)
             return
-        self._check_layout(_saved_layout(state), f"{batches} of the {epoch_batches} batches of epoch {epoch}")
-        if self._sampler is None:
-            _warn_new_pass(self._resuming)
+        saved = _saved_layout(state)
+        # A position without its samples (an earlier lightning_ddp_amp) counts them in its own world size's batches.
+        elastic = "samples" in state
+        self._check_layout(saved, f"{batches} of the {epoch_batches} batches of epoch {epoch}", elastic)
+        if self._sampler is None or ("order" not in state and saved.get("world_size") == 1):
+            _warn_new_pass(self._resuming)  # the order of that pass is not known
             return
         if self.layout.global_batch is None:
             raise self._resuming.refuse(
@@ -333,13 +537,30 @@ class _Position:
                 " samples those batches took is unknown",
                 "give the batch sampler a fixed batch_size attribute",
             )
-        per_rank = self.layout.global_batch // self.layout.world_size
-        # A loader shorter than the epoch cycles (Lightning's default "max_size_cycle"): it stands batches % len in.
+        own = self._sampler.own_order() if isinstance(self._sampler, _ResumesMidEpoch) else {"kind": "sequential"}
+        if elastic:
+            samples, order = int(state["samples"]), state.get("order") or own
+        else:  # the same layout: this DataLoader's batches, in its sampler's own order
+            samples, order = batches % max(len(self.loader), 1) * self.layout.global_batch, own
+        self._warn_new_global_batch(saved)
         self._sampler.set_epoch(epoch)
-        self._sampler.resume_at(epoch, batches % max(len(self.loader), 1) * per_rank)
+        self._sampler.resume_at(_Resume(epoch, samples, order))
+        self.anchor = _Anchor(epoch, batches, samples, self._batches_left(samples))
 
-    def _check_layout(self, saved: dict[str, Any], trained: str) -> None:
+    def _batches_left(self, samples: int) -> int:
+        """How many batches this DataLoader yields on each rank for the rest of a pass of which ``samples`` trained."""
+        assert self._sampler is not None and self.layout.global_batch is not None
+        world = self.layout.world_size
+        per_rank = -(-(self._sampler.order_length() - samples) // world)
+        batch = self.layout.global_batch // world
+        drop_last = getattr(self.loader.batch_sampler, "drop_last", False)
+        return per_rank // batch if drop_last else -(-per_rank // batch)
+
+    def _check_layout(self, saved: dict[str, Any], trained: str, elastic: bool) -> None:
         differences = self.layout.differences(saved)
+        if elastic:  # another number of ranks, and without split_batches another global batch, continue
+            for name in ("world_size", "split_batches", *(() if self.layout.split_batches else ("global_batch",))):
+                differences.pop(name, None)
         if "world_size" not in saved or differences:
             then = ", ".join(f"{_named(name)} {old}" for name, (old, _) in differences.items())
             told = (
@@ -359,6 +580,18 @@ class _Position:
                 f" {', '.join(map(_named, unchecked))} could not be compared. If the training data"
                 " changed since, resume from a checkpoint saved at the end of an epoch."
             )
+
+    def _warn_new_global_batch(self, saved: Mapping[str, Any]) -> None:
+        before, now, ranks = saved.get("global_batch"), self.layout.global_batch, saved.get("world_size")
+        if before is None or now is None or before == now:
+            return
+        rank_zero_warn(
+            f"envddp: {self._resuming.path} was saved by {ranks} rank(s) training {before} samples per step; this run"
+            f" of {self.layout.world_size} rank(s) keeps each rank's batch of {now // self.layout.world_size}, so"
+            f" the rest of the epoch trains {now} samples per step (each remaining sample once). The learning rate"
+            f" is left as it was: scaling it to the new global batch (e.g. by {now}/{before}) is your choice."
+            " EnvDDPStrategy(split_batches=True) keeps the global batch instead."
+        )
 
 
 def _position_of(loader: object) -> _Position | None:
@@ -384,6 +617,40 @@ def _warn_new_pass(resuming: ResumePoint) -> None:
         " this epoch comes from a new pass over it, so some samples are trained twice this epoch and others not at"
         " all. Resume from a checkpoint saved at the end of an epoch to train each sample once per epoch."
     )
+
+
+def align_resumed_epoch(trainer: Any) -> int | None:
+    """Once the training DataLoaders got their positions: have Lightning count the resumed epoch's batches in this
+    run's world size, so that the epoch ends when the remaining samples are done.
+
+    Lightning restored how many batches the epoch had trained in the saving run's batches, and ends the epoch when
+    that count reaches the length of the DataLoader at this world size. The count is moved to that length minus the
+    batches left (of the DataLoader with the most left), so the resumed epoch takes the batch indices of the last
+    batches of an uninterrupted epoch at this world size: ``batch_idx``, validation and gradient accumulation count
+    as they would there. At the saving world size nothing moves.
+
+    Args:
+        trainer: The Trainer, at the start of training.
+
+    Returns:
+        The batch index the resumed epoch continues at; None when no training DataLoader continues an epoch.
+    """
+    positions = [
+        position
+        for _, loader in _named_dataloaders(trainer.train_dataloader, "")
+        if (position := _position_of(loader)) is not None and position.anchor is not None
+    ]
+    if not positions:
+        return None
+    trained, total = _lightning.epoch_progress(trainer)
+    left = max(position.anchor.batches for position in positions if position.anchor is not None)
+    start = max(0, total - left) if total != float("inf") else trained
+    if start != trained:
+        _lightning.move_epoch_batches(trainer, start - trained)
+    for position in positions:
+        assert position.anchor is not None
+        position.anchor = dataclasses.replace(position.anchor, start=start)
+    return int(start)
 
 
 def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | None, world_size: int) -> None:
@@ -509,7 +776,7 @@ def _user_sampler(dataloader: DataLoader[Any]) -> Sampler[Any] | Iterable[Any]:
     return inner if inner is not None else dataloader.sampler
 
 
-def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int) -> int:
+def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int, resuming: ResumePoint | None) -> int:
     global_batch = dataloader.batch_size
     if global_batch is None:
         raise StrategyConfigurationError(
@@ -521,10 +788,14 @@ def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int) -> int:
             " batch sampler per rank",
         )
     if global_batch % num_replicas:
-        raise StrategyConfigurationError(
-            "split_batches",
-            True,
-            f"DataLoader(batch_size={global_batch}) does not divide evenly across WORLD_SIZE={num_replicas} ranks",
-            f"use a batch_size that is a multiple of {num_replicas}, or EnvDDPStrategy(split_batches=False)",
-        )
+        problem = f"DataLoader(batch_size={global_batch}) does not divide evenly across WORLD_SIZE={num_replicas} ranks"
+        fix = f"use a batch_size that is a multiple of {num_replicas}, or EnvDDPStrategy(split_batches=False)"
+        if resuming is not None and resuming.mid_epoch:
+            ranks = [str(n) for n in range(1, global_batch + 1) if global_batch % n == 0]
+            problem += f", and {resuming.path} continues an epoch whose steps each trained {global_batch} samples"
+            fix = (
+                f"launch {', '.join(ranks)} rank(s) to continue it with the same global batches; or {fix} (the"
+                " global batch then changes)"
+            )
+        raise StrategyConfigurationError("split_batches", True, problem, fix)
     return global_batch // num_replicas

@@ -8,9 +8,9 @@
   a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
   status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
 
-A checkpoint saved mid-epoch continues only under the data layout it was saved in (see
-:mod:`lightning_ddp_amp.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words the
-error: which file (and that ``auto_resume`` picked it), why, and the ways on.
+A checkpoint saved mid-epoch continues on any number of ranks, with the data set, seed and order it was saved with
+(see :mod:`lightning_ddp_amp.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words
+the error: which file (and that ``auto_resume`` picked it), why, and the ways on.
 
 :class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
 (:data:`lightning_ddp_amp.preemption.PREEMPTION`).
@@ -146,7 +146,7 @@ class ResumePoint:
 
         Args:
             problem: Why the samples the checkpoint had trained cannot be told apart in this run.
-            continue_exactly: What continues it exactly, e.g. ``"relaunch with that run's layout (world size 1)"``.
+            continue_exactly: What continues it exactly, e.g. ``"relaunch with that run's layout (seed 0)"``.
         """
         if self.auto_resumed:
             directory = Path(self.path).parent
@@ -160,6 +160,60 @@ class ResumePoint:
         return CheckpointError(
             "ckpt_path", self.path, problem, f"{continue_exactly} to continue exactly; or {elsewhere}"
         )
+
+
+def check_step_schedulers(trainer: pl.Trainer, resuming: ResumePoint, world_size: int, start: int) -> None:
+    """Stop a fit resumed on another number of ranks before it steps a scheduler sized by its total steps (such as
+    ``OneCycleLR``) past its end, which would fail there.
+
+    Args:
+        trainer: The Trainer, at the start of training.
+        resuming: The checkpoint it continues.
+        world_size: This run's number of ranks.
+        start: The batch index the resumed epoch continues at (:func:`lightning_ddp_amp.data.align_resumed_epoch`).
+
+    Raises:
+        CheckpointError: A step-wise scheduler with ``total_steps`` has fewer steps left than this fit takes.
+    """
+    if resuming.world_size in (None, world_size) or not trainer.lightning_module.automatic_optimization:
+        return
+    steps = _optimizer_steps_left(trainer, start)
+    for config in trainer.lr_scheduler_configs:
+        total = getattr(config.scheduler, "total_steps", None)
+        if steps is None or config.interval != "step" or not isinstance(total, int):
+            continue
+        room = total - int(getattr(config.scheduler, "last_epoch", 0))
+        needed = -(-steps // max(config.frequency, 1))
+        if needed > room:
+            name = type(config.scheduler).__name__
+            raise CheckpointError(
+                "ckpt_path",
+                resuming.path,
+                f"it was saved by {resuming.world_size} rank(s), and on {world_size} the rest of this fit takes"
+                f" {steps} optimizer steps, but its {name}(total_steps={total}) has {room} left and would fail at"
+                f" step {trainer.global_step + room + 1} (the number of steps per epoch changes with the world size)",
+                f"relaunch with {resuming.world_size} rank(s), or EnvDDPStrategy(split_batches=True) to keep the"
+                f" steps per epoch; or Trainer(max_steps={trainer.global_step + room}) to end the fit where the"
+                " schedule ends",
+            )
+
+
+def _optimizer_steps_left(trainer: pl.Trainer, start: int) -> int | None:
+    """The optimizer steps the rest of the fit takes, from batch ``start`` of the current epoch; None if unbounded."""
+    batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
+    if batches == float("inf"):
+        return None
+    batches = int(batches)
+
+    def steps(first: int) -> int:  # Lightning steps after every accumulate-th batch, and after the epoch's last
+        return batches // accumulate - first // accumulate + (1 if batches % accumulate else 0)
+
+    left: float = float("inf")
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        left = steps(start) + max(trainer.max_epochs - trainer.current_epoch - 1, 0) * steps(0)
+    if trainer.max_steps >= 0:
+        left = min(left, trainer.max_steps - trainer.global_step)
+    return None if left == float("inf") else int(left)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

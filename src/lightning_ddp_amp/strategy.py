@@ -46,6 +46,7 @@ import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp import selflaunch
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.data import (
+    align_resumed_epoch,
     check_resumed_positions,
     explain_loader_state_mismatch,
     shard_dataloader,
@@ -69,6 +70,7 @@ from lightning_ddp_amp.resume import (
     AutoResume,
     ResumePoint,
     check_checkpoint,
+    check_step_schedulers,
     record_world_size,
     unreadable_checkpoint,
 )
@@ -585,10 +587,15 @@ class EnvDDPStrategy(DDPStrategy):
         assert self.lightning_module is not None
         self._resume.on_train_start(self.lightning_module.trainer)
         # Before the first batch: a mid-epoch position the training DataLoaders did not get is refused.
+        trainer = self.lightning_module.trainer
         resuming, self._resuming = self._resuming, None
-        check_resumed_positions(self.lightning_module.trainer.train_dataloader, resuming, self._topology.world_size)
+        check_resumed_positions(trainer.train_dataloader, resuming, self._topology.world_size)
+        # A resumed epoch counts its batches in this run's world size; a schedule it would outrun stops it here.
+        start = align_resumed_epoch(trainer)
+        if resuming is not None and start is not None:
+            check_step_schedulers(trainer, resuming, self._topology.world_size, start)
         # The recipe's DistributedSampler shuffled; a training DataLoader left at shuffle=False does not.
-        warn_unshuffled_training_shards(self.lightning_module.trainer.train_dataloader)
+        warn_unshuffled_training_shards(trainer.train_dataloader)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -1,8 +1,7 @@
 """Training that a test can break: a rank kills itself at a chosen step, only in the first attempt.
 
 Each rank writes OUT/rank<RANK>.json at the end (attempt, resume checkpoint, global step); rank 0 saves the
-final weights to OUT/weights.pt. Checkpoints go to OUT/checkpoints every --every steps. With --record every rank
-appends the sample indices of each step it trained to OUT/trained, one line per step. With --script-group the
+final weights to OUT/weights.pt. Checkpoints go to OUT/checkpoints every --every steps. With --script-group the
 script starts its own process group before the Trainer, as a classic script did, ends it at exit itself, and
 records in OUT/group-at-exit<RANK> whether the group was still there for it to end.
 """
@@ -42,7 +41,6 @@ parser.add_argument("--stall-save-at-step", type=int, default=-1, help="the chec
 parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
 parser.add_argument("--validate", action="store_true", help="validate twice per epoch, each batch taking --step-delay")
 parser.add_argument("--two-loaders", action="store_true", help="train on two DataLoaders of different lengths")
-parser.add_argument("--record", action="store_true", help="append each trained batch's sample indices to OUT/trained")
 parser.add_argument("--start-delay", type=float, default=0.0, help="rank 1 waits this long before it starts")
 parser.add_argument("--timeout", type=float, default=1800.0)
 parser.add_argument(
@@ -104,10 +102,6 @@ class Module(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         (out / "progress" / f"rank{RANK}").write_text(str(self.global_step))
-        if args.record:  # one line per step, written before anything below can end the process
-            parts = batch.values() if isinstance(batch, dict) else [batch]
-            with open(out / "trained", "a") as file:
-                file.write(" ".join(str(i) for _, _, index in parts for i in index.tolist()) + "\n")
         if ATTEMPT == 0 and args.kill_rank == RANK and self.global_step == args.kill_at_step:
             os.kill(os.getpid(), getattr(signal, args.signal))
         time.sleep(args.step_delay)

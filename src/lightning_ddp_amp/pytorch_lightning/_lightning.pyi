@@ -153,6 +153,16 @@ def epoch_progress(trainer: pl.Trainer) -> tuple[int, int]:
     ...
 
 
+def move_epoch_batches(trainer: pl.Trainer, by: int) -> None:
+    """Move the fit loop's count of the current epoch's trained batches by ``by`` (its current and total counts).
+
+    Why: Lightning ends an epoch, validates and accumulates gradients by these counters of its undocumented
+    progress tracking; a resumed epoch on another number of ranks has another number of batches
+    (:func:`lightning_ddp_amp.pytorch_lightning.data.align_resumed_epoch`).
+    """
+    ...
+
+
 def after_closure(plugin: Precision, model: pl.LightningModule, optimizer: Optimizer) -> None:
     """Run what Lightning runs between a step's closure and ``optimizer.step()``.
 

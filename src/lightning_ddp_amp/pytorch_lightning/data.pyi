@@ -14,24 +14,36 @@ epochs exactly as in the recipe. A training DataLoader left at ``shuffle=False``
 ``DistributedSampler`` shuffled by default, so a script migrated by dropping the sampler but keeping
 ``shuffle=False`` would train on the same order every epoch; :func:`warn_unshuffled_training_shards` says so.
 
-A sharded training DataLoader is also resumable in Lightning's sense (it has ``state_dict`` / ``load_state_dict``):
-a checkpoint records the epoch, how many batches of it were trained, and the :class:`DataLayout` they were counted
-in; resuming from it skips exactly those samples, in the same shuffled order and the same shards, so a crash
-mid-epoch costs only the steps since the checkpoint. In one process nothing is sharded and Lightning's behaviour is
-kept, but the checkpoint records the layout too. A position saved mid-epoch names the same samples only under the
-same layout, so a fit that continues one under another layout (another world size, data set, batch, seed or order),
-or without the position a sharded DataLoader needs, stops before its first batch with a ``CheckpointError``; a
-checkpoint saved at the end of an epoch resumes under any layout.
+A training DataLoader is also resumable in Lightning's sense (it has ``state_dict`` / ``load_state_dict``): a
+checkpoint records the epoch, how many of its samples were trained, the order they were drawn in and the
+:class:`DataLayout` they were counted in. Resuming from it trains the rest of that epoch, each remaining sample once,
+on any number of ranks (an elastic resume):
+
+* the order of an epoch does not depend on the world size (``DistributedSampler``'s permutation of seed + epoch, or
+  in one process the ``RandomSampler``'s own order, whose generator state the checkpoint records), and ``b``
+  batches at world size ``W`` trained exactly its first ``b * global batch`` samples;
+* the rest of the epoch, ``order[trained:]``, is padded to a multiple of the new world size with the epoch's first
+  samples, as ``DistributedSampler`` pads, and rank ``r`` takes every ``W'``-th sample from ``r`` on. So with
+  ``split_batches`` the global batches that follow are those of the uninterrupted run; without it each rank keeps
+  its batch and the global batch becomes ``batch * W'`` (warned), the last step shortened on every rank alike;
+* Lightning's count of the epoch's batches is moved so that the resumed epoch ends where an uninterrupted run at the
+  new world size ends it (:func:`align_resumed_epoch`): ``batch_idx``, validation and gradient accumulation count
+  in the new world size's batches, at the indices of that run's last batches.
+
+A one-process run keeps its DataLoader (its ``RandomSampler`` yields what it always did; it only notes the state
+each pass starts from). A fit that continues a mid-epoch position in another data set, seed or order, or with
+``split_batches`` another global batch, or without the position a DataLoader needs, stops before its first batch
+with a ``CheckpointError``; a checkpoint saved at the end of an epoch resumes under any layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import torch
 from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities import rank_zero_warn
@@ -66,7 +78,9 @@ def shard_dataloader(
     """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
 
     In one process (``num_replicas=1``) the DataLoader is returned as it is: nothing to shard or split. A training
-    DataLoader with ``progress`` still records its position and layout in checkpoints.
+    DataLoader with ``progress`` still records its position, order and layout in checkpoints; one with a sampler of
+    the script's own that continues an epoch is rebuilt with one replica of the sharding wrapper, which yields the
+    sampler's order unchanged but can leave out what the epoch already trained.
 
     Args:
         dataloader: What the LightningModule or DataModule returned.
@@ -104,25 +118,129 @@ def _named_dataloaders(loaders: object, key: str) -> Iterator[tuple[str, DataLoa
     ...
 
 
-class _ResumesMidEpoch:
-    """For training samplers: the first pass over a resumed epoch leaves out the samples already trained on."""
+@dataclass(frozen=True)
+class _Resume:
+    """Where a resumed epoch stands: ``samples`` of its ``order`` (see :func:`epoch_order`) are trained."""
 
     epoch: int
-    _resume: tuple[int, int] | None = None
+    samples: int
+    order: Mapping[str, Any]
 
-    def resume_at(self, epoch: int, samples: int) -> None:
+
+def epoch_order(order: Mapping[str, Any], length: int, epoch: int) -> list[int]:
+    """The positions of an epoch's ``length`` samples in the order a checkpoint recorded, before padding and sharding.
+
+    ``order["kind"]`` is ``"permutation"`` (``DistributedSampler(shuffle=True)``: torch's permutation of
+    ``seed + epoch``), ``"generator"`` (a one-process ``RandomSampler``: its permutation from the generator state
+    its pass started from), ``"sequential"``, or ``"sampler"`` (a sampler of the script's own: positions in the
+    order it yields).
+    """
+    ...
+
+
+def rest_of_epoch(order: list[int], trained: int, num_replicas: int) -> list[int]:
+    """What an epoch in ``order`` has left after its first ``trained`` samples, for ``num_replicas`` ranks: padded to
+    a multiple of ``num_replicas`` with the epoch's first samples, as ``DistributedSampler`` pads its epoch."""
+    ...
+
+
+class _ResumesMidEpoch:
+    """For training samplers of several ranks: the first pass over a resumed epoch yields only what it had left.
+
+    It also notes the order of each pass (:attr:`order_of_pass`), which checkpoints record.
+    """
+
+    epoch: int
+    num_replicas: int
+    rank: int
+    dataset: Any
+    set_epoch: Callable[[int], None]
+    _resume: _Resume | None = None
+    #: The order of the pass being iterated (see :func:`epoch_order`).
+    order_of_pass: Mapping[str, Any] | None = None
+
+    def resume_at(self, resume: _Resume) -> None:
+        ...
+
+    def own_order(self) -> dict[str, Any]:
+        """The order of a pass that continues nothing."""
+        ...
+
+    def order_length(self) -> int:
         ...
 
     def __iter__(self) -> Iterator[Any]:
         ...
 
+    def _at(self, positions: list[int]) -> Iterator[Any]:
+        ...
+
 
 class ResumableDistributedSampler(_ResumesMidEpoch, DistributedSampler[Any]):
-    """``DistributedSampler`` that can resume mid-epoch."""
+    """``DistributedSampler`` that can resume mid-epoch, on any number of ranks."""
+
+    def own_order(self) -> dict[str, Any]:
+        ...
 
 
 class ResumableDistributedSamplerWrapper(_ResumesMidEpoch, DistributedSamplerWrapper):
     """Lightning's ``DistributedSamplerWrapper`` (shards a user's sampler) that can resume mid-epoch."""
+
+    def own_order(self) -> dict[str, Any]:
+        ...
+
+    def _at(self, positions: list[int]) -> Iterator[Any]:
+        ...
+
+
+class _KeepsOrder:
+    """For a one-process training DataLoader's own sampler: yields what it always did, notes the order of each pass,
+    and can continue an epoch (set on the instance, :func:`_keep_order`)."""
+
+    data_source: Any
+    epoch: int = 0
+    _resume: _Resume | None = None
+    order_of_pass: Mapping[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning sets the epoch of a sampler that has this method; the order itself does not depend on it."""
+        ...
+
+    def resume_at(self, resume: _Resume) -> None:
+        ...
+
+    def order_length(self) -> int:
+        ...
+
+    def _continued(self) -> list[int] | None:
+        """The rest of a resumed epoch, once; None for a pass that continues nothing."""
+        ...
+
+
+class _OrderedRandomSampler(RandomSampler, _KeepsOrder):
+    """``RandomSampler`` that notes the generator state each pass starts from."""
+
+    def __iter__(self) -> Iterator[int]:
+        # A generator function, as RandomSampler's own: its draw from the global RNG happens at the first sample.
+        ...
+
+
+class _OrderedSequentialSampler(SequentialSampler, _KeepsOrder):
+    """``SequentialSampler`` that can continue an epoch."""
+
+    def __iter__(self) -> Iterator[int]:
+        ...
+
+
+def _keep_order(source: Sampler[Any] | Iterable[Any]) -> _KeepsOrder | None:
+    """Have a one-process training DataLoader's ``RandomSampler`` or ``SequentialSampler`` note its order.
+
+    The instance's class becomes a subclass that yields the same samples: the DataLoader, which does not allow its
+    sampler to be replaced, stays the user's. None for any other sampler, and for a ``RandomSampler`` that draws
+    with replacement or another number of samples than the data set has. (The subclasses name the sampler's class
+    first: CPython allows the swap only when the new class's first base is the old class.)
+    """
+    ...
 
 
 def _distributed_sampler(
@@ -181,6 +299,17 @@ def _named(field: str) -> str:
     ...
 
 
+@dataclass(frozen=True)
+class _Anchor:
+    """Where a resumed epoch started in this run: at Lightning's batch ``start`` (moved by
+    :func:`align_resumed_epoch`), with ``samples`` of its order trained and ``batches`` of this DataLoader left."""
+
+    epoch: int
+    start: int
+    samples: int
+    batches: int
+
+
 class _Position:
     """A training DataLoader's place in its epoch, in its layout: Lightning saves ``state_dict()`` in checkpoints
     and hands it back to ``load_state_dict`` before the first batch of a resumed fit.
@@ -189,8 +318,9 @@ class _Position:
         loader: The DataLoader each rank reads.
         layout: Its layout.
         progress: The current epoch, how many of its batches are trained, and how many it has.
-        sampler: The sampler that skips what a resumed epoch already trained; None in one process, where the
-            DataLoader starts its epoch over (Lightning's behaviour for a DataLoader it cannot resume).
+        sampler: The sampler that notes its order and leaves out what a resumed epoch already trained; None for a
+            one-process DataLoader with a sampler of the script's own, which starts a resumed epoch over
+            (Lightning's behaviour for a DataLoader it cannot resume) unless the fit continues one mid-epoch.
         resuming: The checkpoint this fit continues from, for errors.
     """
 
@@ -199,7 +329,7 @@ class _Position:
         loader: DataLoader[Any],
         layout: DataLayout,
         progress: Callable[[], tuple[int, int, int]],
-        sampler: Any,
+        sampler: _ResumesMidEpoch | _KeepsOrder | None,
         resuming: ResumePoint | None,
     ) -> None:
         ...
@@ -210,16 +340,33 @@ class _Position:
     def state_dict(self) -> dict[str, Any]:
         ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: skip the samples its epoch already trained.
+    def _trained(self, epoch: int, batches: int, global_batch: int) -> int:
+        """How many samples of the current pass's order ``batches`` of ``epoch`` trained.
 
-        Raises:
-            CheckpointError: ``state`` was saved mid-epoch in another layout, or records none; or it is not a
-                position envddp saved (a DataLoader that saves its own, e.g. torchdata's, saved by one process).
+        A DataLoader shorter than the epoch cycles (Lightning's default "max_size_cycle"): its pass is ``batches``
+        modulo its length in.
         """
         ...
 
-    def _check_layout(self, saved: dict[str, Any], trained: str) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: leave out the samples its epoch already trained.
+
+        Raises:
+            CheckpointError: ``state`` was saved mid-epoch with another data set, seed, order or (with
+                ``split_batches``) global batch, or records none of them, or (saved before positions recorded
+                their samples) by another number of ranks; or it is not a position envddp saved (a DataLoader
+                that saves its own, e.g. torchdata's, saved by one process).
+        """
+        ...
+
+    def _batches_left(self, samples: int) -> int:
+        """How many batches this DataLoader yields on each rank for the rest of a pass of which ``samples`` trained."""
+        ...
+
+    def _check_layout(self, saved: dict[str, Any], trained: str, elastic: bool) -> None:
+        ...
+
+    def _warn_new_global_batch(self, saved: Mapping[str, Any]) -> None:
         ...
 
 
@@ -238,6 +385,25 @@ def _shardable(source: Sampler[Any] | Iterable[Any] | None) -> TypeGuard[Sampler
 
 
 def _warn_new_pass(resuming: ResumePoint) -> None:
+    ...
+
+
+def align_resumed_epoch(trainer: Any) -> int | None:
+    """Once the training DataLoaders got their positions: have Lightning count the resumed epoch's batches in this
+    run's world size, so that the epoch ends when the remaining samples are done.
+
+    Lightning restored how many batches the epoch had trained in the saving run's batches, and ends the epoch when
+    that count reaches the length of the DataLoader at this world size. The count is moved to that length minus the
+    batches left (of the DataLoader with the most left), so the resumed epoch takes the batch indices of the last
+    batches of an uninterrupted epoch at this world size: ``batch_idx``, validation and gradient accumulation count
+    as they would there. At the saving world size nothing moves.
+
+    Args:
+        trainer: The Trainer, at the start of training.
+
+    Returns:
+        The batch index the resumed epoch continues at; None when no training DataLoader continues an epoch.
+    """
     ...
 
 
@@ -286,5 +452,5 @@ def _user_sampler(dataloader: DataLoader[Any]) -> Sampler[Any] | Iterable[Any]:
     ...
 
 
-def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int) -> int:
+def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int, resuming: ResumePoint | None) -> int:
     ...

@@ -9,9 +9,9 @@
   a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
   status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
 
-A checkpoint saved mid-epoch continues only under the data layout it was saved in (see
-:mod:`lightning_ddp_amp.pytorch_lightning.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words the
-error: which file (and that ``auto_resume`` picked it), why, and the ways on.
+A checkpoint saved mid-epoch continues on any number of ranks, with the data set, seed and order it was saved with
+(see :mod:`lightning_ddp_amp.pytorch_lightning.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words
+the error: which file (and that ``auto_resume`` picked it), why, and the ways on.
 
 :class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
 (:data:`lightning_ddp_amp.preemption.PREEMPTION`).
@@ -115,9 +115,30 @@ class ResumePoint:
 
         Args:
             problem: Why the samples the checkpoint had trained cannot be told apart in this run.
-            continue_exactly: What continues it exactly, e.g. ``"relaunch with that run's layout (world size 1)"``.
+            continue_exactly: What continues it exactly, e.g. ``"relaunch with that run's layout (seed 0)"``.
         """
         ...
+
+
+def check_step_schedulers(trainer: pl.Trainer, resuming: ResumePoint, world_size: int, start: int) -> None:
+    """Stop a fit resumed on another number of ranks before it steps a scheduler sized by its total steps (such as
+    ``OneCycleLR``) past its end, which would fail there.
+
+    Args:
+        trainer: The Trainer, at the start of training.
+        resuming: The checkpoint it continues.
+        world_size: This run's number of ranks.
+        start: The batch index the resumed epoch continues at (:func:`lightning_ddp_amp.pytorch_lightning.data.align_resumed_epoch`).
+
+    Raises:
+        CheckpointError: A step-wise scheduler with ``total_steps`` has fewer steps left than this fit takes.
+    """
+    ...
+
+
+def _optimizer_steps_left(trainer: pl.Trainer, start: int) -> int | None:
+    """The optimizer steps the rest of the fit takes, from batch ``start`` of the current epoch; None if unbounded."""
+    ...
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

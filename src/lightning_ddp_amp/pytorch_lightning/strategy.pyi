@@ -47,6 +47,7 @@ import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp import selflaunch
 from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.pytorch_lightning.data import (
+    align_resumed_epoch,
     check_resumed_positions,
     explain_loader_state_mismatch,
     shard_dataloader,
@@ -70,6 +71,7 @@ from lightning_ddp_amp.pytorch_lightning.resume import (
     AutoResume,
     ResumePoint,
     check_checkpoint,
+    check_step_schedulers,
     record_world_size,
     unreadable_checkpoint,
 )
