@@ -7,7 +7,8 @@
 #   make test          torch 2.13.0 (CPU) + the newest Lightning 2.6.x: ruff, mypy and the whole suite (*)
 #   make test-lowest   torch 2.13.0 (CPU) + Lightning 2.5.0: the whole suite but LOWEST_LEAVES_OUT (*)
 #   make test-torch21  torch 2.1.2 + Lightning 2.5.0 + numpy<2: the core (CORE_TESTS), with the ten-run exit loop
-#   make test-newest   the newest torch CI's pip allows + the newest Lightning 2.6.x: the core but its examples (*)
+#   make test-newest   the newest torch CI's pip allows + the newest Lightning 2.6.x: the core but its examples and
+#                      fault injection (*)
 # (*) without the ten-run exit-code loop (WITHOUT_EXIT_LOOP).
 # The last three build their environment once, in ~/.cache/lightning-ddp-amp (.ci/venv): the index's torch builds
 # other than 2.13.0's are CUDA builds of several GB. .ci/run resolves "newest" at every run and passes it on
@@ -40,9 +41,10 @@ CORE_TESTS := tests/test_multiprocess.py tests/test_amp_multiprocess.py tests/te
 LOWEST_LEAVES_OUT := --ignore=tests/test_faults.py --ignore=tests/test_multiprocess.py --ignore=tests/test_packaging.py
 LOWEST_TESTS := -k "not exit_zero_every_time and not close_on_the_example_under_torchrun \
 	and not torchrun_restarts_records_each_step_once" $(LOWEST_LEAVES_OUT)
-# What the newest-torch leg leaves out of the core: the examples are scripts of the package's public API, which the
-# core's real-rank tests meet on this torch; leg a runs them on torch 2.13, leg c on 2.1.2.
-NEWEST_CORE := $(filter-out tests/test_examples.py,$(CORE_TESTS))
+# What the newest-torch leg leaves out of the core, to keep CI within its hour: the examples (scripts of the
+# package's public API, which the core's real-rank tests meet on this torch) and fault injection; legs a (torch
+# 2.13, the newest Lightning) and c (torch 2.1.2, Lightning 2.5.0) run both.
+NEWEST_CORE := $(filter-out tests/test_examples.py tests/test_faults.py,$(CORE_TESTS))
 # The ten-run exit-code loop runs on torch 2.1 only (test-torch21), where a finished run could hang at exit (torch's
 # process group destructor held the GIL while joining gloo's workers, pytorch/pytorch#154976; process_group.py):
 # 80 s that every other leg, where each test's own runs exit too, leaves out to keep `make test` near 12 minutes.
