@@ -195,7 +195,7 @@ def test_bfloat16_under_auto_says_why_it_runs_natively(
     apex_double: ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO):
-        AmpPrecision(dtype="bfloat16")
+        trainer(plugins=[AmpPrecision(dtype="bfloat16")])
     (line,) = [r.getMessage() for r in caplog.records if "AmpPrecision" in r.getMessage()]
     assert line == (
         "AmpPrecision: apex amp has no bfloat16, so opt_level O1 runs on torch.amp: torch.autocast(bfloat16) with no"
@@ -218,7 +218,25 @@ def test_falling_back_to_native_prints_one_line_with_the_mapping(
 # --- apex that cannot run -------------------------------------------------------------------------------------
 
 
-def test_apex_not_installed_says_where_apex_amp_exists_and_the_native_alternatives(no_apex: None) -> None:
+@pytest.fixture
+def cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torch says on a machine with CUDA (only what the precision plugin reads before it builds anything)."""
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_apex_on_a_machine_without_cuda_says_so_and_points_at_amp_first(no_apex: None) -> None:
+    with pytest.raises(ApexUnavailableError) as raised:
+        trainer(precision="apex-O2")
+    message = str(raised.value)
+    assert message.startswith("precision='apex-O2': apex amp needs CUDA, and this machine has none (torch ")
+    assert 'Fix: use precision="amp-O2"' in message
+    assert "from source" not in message  # no build of apex makes it run here
+
+
+def test_apex_not_installed_says_where_apex_amp_exists_and_the_native_alternatives(
+    no_apex: None, cuda_machine: None
+) -> None:
     with pytest.raises(ApexUnavailableError) as raised:
         trainer(precision="apex-O1")
     message = str(raised.value)
@@ -228,7 +246,7 @@ def test_apex_not_installed_says_where_apex_amp_exists_and_the_native_alternativ
     assert 'precision="amp-O1"' in message and 'precision="16-mixed"' in message
 
 
-def test_apex_without_amp_says_it_was_removed(apex_without_amp: None) -> None:
+def test_apex_without_amp_says_it_was_removed(apex_without_amp: None, cuda_machine: None) -> None:
     with pytest.raises(ApexUnavailableError) as raised:
         AmpPrecision(backend="apex")
     message = str(raised.value)
@@ -246,6 +264,24 @@ def test_apex_on_a_cpu_accelerator_is_an_error(apex_double: ModuleType, monkeypa
         trainer(precision="apex-O1")
     assert str(raised.value).startswith("accelerator='cpu': apex amp needs CUDA")
     assert 'precision="amp-O1"' in str(raised.value)
+
+
+def test_amp_under_a_strategy_that_wraps_first_runs_natively_though_apex_is_there(
+    apex_double: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        built = trainer(strategy="ddp", devices=1, precision="amp-O1")
+    assert built.precision_plugin.backend == "native"
+    lines = [r.getMessage() for r in caplog.records if "AmpPrecision" in r.getMessage()]
+    assert lines == [
+        "AmpPrecision: strategy='DDPStrategy': this strategy wraps the model in DistributedDataParallel before the"
+        " precision plugin sees it, but apex requires amp.initialize before the wrap, so opt_level O1 runs on"
+        " torch.amp: torch.autocast(float16) with dynamic loss scaling"
+    ]
+
+
+def test_amp_under_envddp_runs_apex_where_apex_can_run(apex_double: ModuleType) -> None:
+    assert trainer(precision="amp-O1").precision_plugin.backend == "apex"
 
 
 def test_apex_with_lightnings_ddp_points_at_envddp(apex_double: ModuleType) -> None:

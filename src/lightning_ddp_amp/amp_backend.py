@@ -18,13 +18,12 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_ddp_amp.errors import PrecisionConfigurationError
+from lightning_ddp_amp.errors import LightningDDPAmpError, PrecisionConfigurationError
 
 #: The backends by name, as ``module:class``, in the order ``backend="auto"`` tries them. A backend is imported
 #: only when it is asked for, so removing one is removing its module and its line here.
@@ -112,6 +111,18 @@ class AmpBackend(abc.ABC):
     def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
         """Refuse a strategy or device this backend cannot train with, when the Trainer is built (builds nothing)."""
 
+    @classmethod
+    def unsuited(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> str | None:
+        """Why ``backend="auto"`` cannot choose this backend with ``strategy`` on ``device_type``; None when it can.
+
+        The reason :meth:`check_trainer_setup` would refuse them for: one rule, whether it refuses or passes over.
+        """
+        try:
+            cls.check_trainer_setup(settings, strategy, device_type)
+        except LightningDDPAmpError as error:
+            return f"{error.field}={error.value!r}: {error.problem}"
+        return None
+
     def convert_module(self, module: Module, select: ModuleSelector) -> None:  # noqa: B027 (optional hook)
         """Prepare the model before the optimizers exist (``Precision.convert_module``)."""
 
@@ -195,9 +206,15 @@ def backend_class(name: str) -> type[AmpBackend]:
     return backend
 
 
-def choose_backend(requested: str, settings: AmpSettings) -> tuple[str, type[AmpBackend]]:
+def choose_backend(
+    requested: str, settings: AmpSettings, strategy: Strategy | None = None, device_type: str | None = None
+) -> tuple[str, type[AmpBackend], list[str]]:
     """The backend for ``backend=requested``, its settings checked: that one, or for ``"auto"`` the first that can
-    run ``settings``, saying on rank 0 why it passed over the others.
+    run ``settings`` (and, once the Trainer is built, train with its ``strategy`` on ``device_type``).
+
+    Returns:
+        The backend's name, its class, and why ``"auto"`` passed over the backends before it (for the one line
+        :class:`~lightning_ddp_amp.AmpPrecision` prints on rank 0).
 
     Raises:
         PrecisionConfigurationError: The backend cannot run these settings.
@@ -206,7 +223,10 @@ def choose_backend(requested: str, settings: AmpSettings) -> tuple[str, type[Amp
     name, passed_over = requested, []
     if requested == "auto":
         for name in backend_names():
-            reason = backend_class(name).unavailable(settings)
+            candidate = backend_class(name)
+            reason = candidate.unavailable(settings)
+            if reason is None and strategy is not None and device_type is not None:
+                reason = candidate.unsuited(settings, strategy, device_type)
             if reason is None:
                 break
             passed_over.append(reason)
@@ -219,12 +239,7 @@ def choose_backend(requested: str, settings: AmpSettings) -> tuple[str, type[Amp
             )
     chosen = backend_class(name)
     chosen.check_settings(settings, requested)
-    if passed_over:
-        rank_zero_info(
-            f"AmpPrecision: {'; '.join(passed_over)}, so opt_level {settings.opt_level} runs on"
-            f" {chosen.describe(settings)}"
-        )
-    return name, chosen
+    return name, chosen, passed_over
 
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.amp_backend import AmpBackend, AmpSettings, ModuleSelector, cast_floats
-from lightning_ddp_amp.apex_loader import find_amp, load_apex_module
+from lightning_ddp_amp.apex_loader import find_amp, load_apex_module, missing_cuda
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 
 # The amp modules initialized so far in this process: apex documents one amp.initialize per process.
@@ -86,6 +86,16 @@ class ApexAmp(AmpBackend):
     @classmethod
     @override
     def check_settings(cls, settings: AmpSettings, requested: str) -> None:
+        no_cuda = missing_cuda() if find_amp() is None else None
+        if no_cuda is not None:
+            # Said before any advice on building apex: no build makes apex amp run here.
+            raise ApexUnavailableError(
+                "backend",
+                requested,
+                f"apex amp needs CUDA, and this machine has none ({no_cuda}): apex amp cannot run here, whatever is installed",
+                f'use precision="amp-{settings.opt_level}" (AmpPrecision(backend="auto")): the same O-levels on'
+                " torch.amp here, and apex amp on a CUDA machine that has NVIDIA apex",
+            )
         load_apex_module("apex.amp", "backend", requested)
         if settings.dtype != torch.float16:
             raise PrecisionConfigurationError(

@@ -23,6 +23,17 @@ APEX_INSTALL = (
 )
 
 
+def missing_cuda() -> str | None:
+    """Why this machine has no CUDA for apex amp (a CPU build of torch, or no GPU visible); None when it has."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no GPU"
+    return None
+
+
 def find_amp() -> ModuleType | None:
     """``apex.amp`` if it can be imported, else None. Never raises."""
     try:

@@ -102,7 +102,8 @@ class AmpPrecision(Precision):
             self.max_loss_scale,
             self.cast_model_outputs,
         )
-        self.backend, self._backend_class = choose_backend(backend, self._settings)
+        self._requested_backend = backend
+        self.backend, self._backend_class, self._passed_over = choose_backend(backend, self._settings)
         self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
         self._built: AmpBackend | None = None
         self._device_type: str | None = None
@@ -142,13 +143,28 @@ class AmpPrecision(Precision):
     def check_trainer_setup(self, strategy: Strategy, accelerator: Accelerator) -> None:
         """Check that the Trainer can run this plugin; called when the Trainer is built.
 
+        ``backend="auto"`` (``precision="amp-O*"``) chooses again, now that the strategy and the device are known:
+        apex where apex can run with them, else torch.amp. Its choice is one line on rank 0, printed here, where
+        the ranks train (a self-launch's agent never gets this far).
+
         Raises:
-            ApexUnavailableError: apex amp on an accelerator other than CUDA.
-            PrecisionConfigurationError: apex amp with a strategy that wraps the model in DDP before the
+            ApexUnavailableError: ``backend="apex"`` on an accelerator other than CUDA.
+            PrecisionConfigurationError: ``backend="apex"`` with a strategy that wraps the model in DDP before the
                 precision plugin sees it.
         """
         self._device_type = _device_type(accelerator)
-        self._backend_class.check_trainer_setup(self._settings, strategy, self._device_type)
+        if self._requested_backend == "auto" and self._built is None:
+            self.backend, self._backend_class, self._passed_over = choose_backend(
+                "auto", self._settings, strategy, self._device_type
+            )
+            self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
+        else:
+            self._backend_class.check_trainer_setup(self._settings, strategy, self._device_type)
+        if self._passed_over:
+            rank_zero_info(
+                f"AmpPrecision: {'; '.join(self._passed_over)}, so opt_level {self.opt_level} runs on"
+                f" {self._backend_class.describe(self._settings)}"
+            )
 
     @override
     def connect(

@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from pytorch_lightning import LightningModule
 from pytorch_lightning.strategies import Strategy
-from pytorch_lightning.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_ddp_amp.errors import PrecisionConfigurationError
+from lightning_ddp_amp.errors import LightningDDPAmpError, PrecisionConfigurationError
 
 #: The backends by name, as ``module:class``, in the order ``backend="auto"`` tries them. A backend is imported
 #: only when it is asked for, so removing one is removing its module and its line here.
@@ -113,6 +112,14 @@ class AmpBackend(abc.ABC):
     def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
         """Refuse a strategy or device this backend cannot train with, when the Trainer is built (builds nothing)."""
 
+    @classmethod
+    def unsuited(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> str | None:
+        """Why ``backend="auto"`` cannot choose this backend with ``strategy`` on ``device_type``; None when it can.
+
+        The reason :meth:`check_trainer_setup` would refuse them for: one rule, whether it refuses or passes over.
+        """
+        ...
+
     def convert_module(self, module: Module, select: ModuleSelector) -> None:  # noqa: B027 (optional hook)
         """Prepare the model before the optimizers exist (``Precision.convert_module``)."""
 
@@ -194,9 +201,15 @@ def backend_class(name: str) -> type[AmpBackend]:
     ...
 
 
-def choose_backend(requested: str, settings: AmpSettings) -> tuple[str, type[AmpBackend]]:
+def choose_backend(
+    requested: str, settings: AmpSettings, strategy: Strategy | None = None, device_type: str | None = None
+) -> tuple[str, type[AmpBackend], list[str]]:
     """The backend for ``backend=requested``, its settings checked: that one, or for ``"auto"`` the first that can
-    run ``settings``, saying on rank 0 why it passed over the others.
+    run ``settings`` (and, once the Trainer is built, train with its ``strategy`` on ``device_type``).
+
+    Returns:
+        The backend's name, its class, and why ``"auto"`` passed over the backends before it (for the one line
+        :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` prints on rank 0).
 
     Raises:
         PrecisionConfigurationError: The backend cannot run these settings.

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning.amp_backend import AmpBackend, AmpSettings, ModuleSelector, cast_floats
-from lightning_ddp_amp.apex_loader import find_amp, load_apex_module
+from lightning_ddp_amp.apex_loader import find_amp, load_apex_module, missing_cuda
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 
 # The amp modules initialized so far in this process: apex documents one amp.initialize per process.

@@ -111,9 +111,13 @@ class AmpPrecision(Precision):
     def check_trainer_setup(self, strategy: Strategy, accelerator: Accelerator) -> None:
         """Check that the Trainer can run this plugin; called when the Trainer is built.
 
+        ``backend="auto"`` (``precision="amp-O*"``) chooses again, now that the strategy and the device are known:
+        apex where apex can run with them, else torch.amp. Its choice is one line on rank 0, printed here, where
+        the ranks train (a self-launch's agent never gets this far).
+
         Raises:
-            ApexUnavailableError: apex amp on an accelerator other than CUDA.
-            PrecisionConfigurationError: apex amp with a strategy that wraps the model in DDP before the
+            ApexUnavailableError: ``backend="apex"`` on an accelerator other than CUDA.
+            PrecisionConfigurationError: ``backend="apex"`` with a strategy that wraps the model in DDP before the
                 precision plugin sees it.
         """
         ...
