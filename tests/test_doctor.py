@@ -83,8 +83,10 @@ def test_report_says_which_launcher_won() -> None:
 
 def test_report_says_when_the_ranks_were_self_launched() -> None:
     env = {**TORCHRUN_RANK_1, "LIGHTNING_DDP_AMP_SELF_LAUNCHED": "1"}
-    assert doctor.report(env)["launcher"]["decision"].startswith("self-launched: envddp started 2 rank(s) on 1 node")
-    assert doctor.report(TORCHRUN_RANK_1)["launcher"]["decision"].startswith("launched externally by torchrun")
+    assert doctor.report(env)["launcher"]["decision"] == (
+        "2 rank(s) on 1 node(s), started by the script itself, through torchrun (self-launch)"
+    )
+    assert doctor.report(TORCHRUN_RANK_1)["launcher"]["decision"] == "2 rank(s) on 1 node(s), started by torchrun"
 
 
 def test_decision_without_a_launcher_on_a_machine_with_several_gpus() -> None:

@@ -20,6 +20,8 @@ def test_demo_trains_on_two_ranks_under_torchrun(torchrun: Torchrun) -> None:
     assert "rank 0/2 (launched by torchrun" in result.stdout
     assert "rank 1/2 (launched by torchrun" in result.stdout
     assert "final loss" in result.stdout
+    said = [line for line in result.stdout.splitlines() if line.startswith("envddp:")]
+    assert said == ["envddp: 2 ranks on 1 node(s), backend gloo, started by torchrun"]
 
 
 def test_demo_runs_unchanged_as_one_process() -> None:

@@ -260,7 +260,7 @@ def test_a_script_with_its_own_process_group_is_preempted_and_resumes_as_without
     wait_for_step(out, 5, launcher)
     os.kill(int((out / "pids" / "rank1").read_text()), signal.SIGTERM)  # one rank only, as a scheduler might
     first = finish(launcher, timeout=120)
-    assert "launched by torchrun, using the process group the script created" in first.stdout, first.stdout[-4000:]
+    assert "started by torchrun, using the process group the script created" in first.stdout, first.stdout[-4000:]
     assert "exitcode  : 143" in first.stdout, first.stdout[-4000:]
     (saved,) = (out / "checkpoints").glob("preempted-step=*.ckpt")
     second = run(torchrun, out, *config)
@@ -282,7 +282,7 @@ def test_under_srun_or_mpirun_every_rank_exits_143_after_a_sigterm_to_one(runs: 
     statuses = [finish(rank, timeout=120) for rank in (rank0, rank1)]
     # No agent between the launcher and the ranks: the launcher (and its scheduler) sees each rank's own status.
     assert [rank.returncode for rank in statuses] == [143, 143], statuses[0].stdout[-4000:]
-    assert f"launched by {launcher}" in statuses[0].stdout
+    assert f"started by {launcher}" in statuses[0].stdout
     assert len(list((out / "checkpoints").glob("preempted-step=*.ckpt"))) == 1
 
 

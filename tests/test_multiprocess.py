@@ -289,6 +289,13 @@ def test_plain_python_with_two_devices_starts_its_own_ranks_and_ends_with_the_re
     started = f"starting the ranks as `torchrun --standalone --nproc-per-node=2 --max-restarts=0 {script} --out"
     assert started in result.stdout
     assert result.stdout.count("starting the ranks as") == 1  # the ranks do not start ranks again
+    # One line per fact: the agent says what it starts, rank 0 who started the ranks (nothing contradicts it).
+    said = [line for line in result.stdout.splitlines() if line.startswith("envddp:")]
+    assert said == [
+        f"envddp: no launcher variables and 2 devices: {started.split(' --out')[0]} --out {tmp_path} --batch-size 4"
+        " --devices 2`",
+        "envddp: 2 ranks on 1 node(s), backend gloo, started by the script itself, through torchrun (self-launch)",
+    ]
     seen = {(r["rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
     assert seen == {(0, 2, "self-launch"), (1, 2, "self-launch")}
     assert max_abs_difference(weights(recipe), weights(tmp_path)) <= TOLERANCE

@@ -6,11 +6,13 @@ the line a preempted run ends with).
 
 from __future__ import annotations
 
+import logging
 import types
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch.distributed
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -62,6 +64,28 @@ def test_pytest_is_never_run_again_on_every_rank() -> None:
     # This very process: pytest's __main__.
     with pytest.raises(StrategyConfigurationError, match="every rank would run the whole test session"):
         selflaunch.script_command()
+
+
+def test_the_agent_of_a_self_launch_prints_only_what_it_does(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Up to the start of torchrun, this is what `python train.py` runs in the process that becomes the agent.
+    monkeypatch.setattr(selflaunch, "script_command", lambda: ["train.py"])
+    started: list[list[str]] = []
+
+    def launch(arguments: list[str]) -> None:
+        started.append(arguments)
+        raise SystemExit(0)  # as torchrun's agent exits once the ranks finished
+
+    monkeypatch.setattr(selflaunch, "launch", launch)
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit):
+        L.Trainer(strategy="envddp", accelerator="cpu", devices=2, precision="amp-O1", logger=False)
+    assert started == [["--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py"]]
+    said = [record.getMessage() for record in caplog.records]
+    assert [line for line in said if line.startswith(("envddp", "AmpPrecision"))] == [
+        "envddp: no launcher variables and 2 devices: starting the ranks as"
+        " `torchrun --standalone --nproc-per-node=2 --max-restarts=0 train.py`"
+    ]
 
 
 def test_a_rank_of_a_self_launch_does_not_launch_again(monkeypatch: pytest.MonkeyPatch) -> None:

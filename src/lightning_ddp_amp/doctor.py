@@ -41,6 +41,7 @@ from lightning_ddp_amp.environment import (
     detect_launcher,
     other_launcher,
     read_topology,
+    started_by,
 )
 from lightning_ddp_amp.errors import LightningDDPAmpError
 
@@ -146,7 +147,7 @@ def _launcher(
 
 
 def _decision(topology: Topology, gpus: int) -> str:
-    """Launched externally, self-launched, or a single process: what envddp does with this environment."""
+    """Who started the ranks, or that envddp would start them, or a single process: what envddp does here."""
     ranks = f"{topology.world_size} rank(s) on {topology.num_nodes} node(s)"
     if topology.launcher == "none" and gpus > 1:
         return (
@@ -158,9 +159,7 @@ def _decision(topology: Topology, gpus: int) -> str:
             "single process: no launcher variables, so one process trains on the default device;"
             ' Trainer(strategy="envddp", devices=N) with N > 1 would start N ranks itself through torchrun'
         )
-    if topology.launcher == "self-launch":
-        return f"self-launched: envddp started {ranks} through torchrun from a plain `python` run"
-    return f"launched externally by {topology.launcher}: {ranks}"
+    return f"{ranks}, {started_by(topology.launcher)}"
 
 
 def _ignored_launchers(env: Mapping[str, str], used: str) -> list[str]:

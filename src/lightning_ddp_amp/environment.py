@@ -92,6 +92,17 @@ class Topology:
         return self.world_size > 1
 
 
+def started_by(launcher: str) -> str:
+    """Who started the processes, in words, for the one start-up line and the doctor: ``"started by torchrun"``."""
+    if launcher == "self-launch":
+        return "started by the script itself, through torchrun (self-launch)"
+    if launcher == "environment":
+        return "started with launcher variables set by hand (RANK, WORLD_SIZE, MASTER_ADDR, ...)"
+    if launcher == "none":
+        return "started without a launcher"
+    return f"started by {launcher}"
+
+
 def detect_launcher(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> str:
     """Which launcher's variables :func:`read_topology` reads, without validating them.
 

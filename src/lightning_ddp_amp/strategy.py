@@ -54,7 +54,7 @@ from lightning_ddp_amp.data import (
 )
 from lightning_ddp_amp.ddp_options import DDPOptions
 from lightning_ddp_amp.devices import select_devices
-from lightning_ddp_amp.environment import Topology, read_topology
+from lightning_ddp_amp.environment import Topology, read_topology, started_by
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.precision import AmpPrecision, describe_crossing
 from lightning_ddp_amp.process_group import (
@@ -438,10 +438,7 @@ class EnvDDPStrategy(DDPStrategy):
         """
         topology = self.topology
         if topology.launcher != "none":
-            _log_once(
-                f"envddp: launched externally by {topology.launcher}: {topology.world_size} rank(s) on"
-                f" {topology.num_nodes} node(s)"
-            )
+            # Who started the ranks is said once, with the process group (setup_distributed).
             if self.max_restarts:
                 _log_once(
                     f"EnvDDPStrategy(max_restarts={self.max_restarts}) only applies when envddp starts the ranks"
@@ -498,7 +495,9 @@ class EnvDDPStrategy(DDPStrategy):
             return  # an earlier fit, validate or test with this strategy set it up
         script_group = started_by_script()
         if not script_group and not self._topology.is_distributed:
-            return  # one process
+            if self._topology.launcher != "none":  # without a launcher, start_missing_ranks said it
+                _log_once(f"envddp: 1 rank, {started_by(self._topology.launcher)}, so no process group")
+            return
         backend_given = self._process_group_backend is not None
         self._process_group_backend = self._get_process_group_backend()
         if script_group:
@@ -523,7 +522,7 @@ class EnvDDPStrategy(DDPStrategy):
         self._resume.setup_distributed()
         rank_zero_info(
             f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
-            f" backend {self._process_group_backend}, launched by {self._topology.launcher}{how}"
+            f" backend {self._process_group_backend}, {started_by(self._topology.launcher)}{how}"
         )
         self.barrier("envddp: process group ready")
         self._group_ready = True

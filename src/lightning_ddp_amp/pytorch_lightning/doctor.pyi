@@ -42,6 +42,7 @@ from lightning_ddp_amp.environment import (
     detect_launcher,
     other_launcher,
     read_topology,
+    started_by,
 )
 from lightning_ddp_amp.errors import LightningDDPAmpError
 
@@ -102,7 +103,7 @@ def _launcher(
 
 
 def _decision(topology: Topology, gpus: int) -> str:
-    """Launched externally, self-launched, or a single process: what envddp does with this environment."""
+    """Who started the ranks, or that envddp would start them, or a single process: what envddp does here."""
     ...
 
 

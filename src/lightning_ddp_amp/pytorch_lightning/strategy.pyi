@@ -55,7 +55,7 @@ from lightning_ddp_amp.pytorch_lightning.data import (
 )
 from lightning_ddp_amp.ddp_options import DDPOptions
 from lightning_ddp_amp.devices import select_devices
-from lightning_ddp_amp.environment import Topology, read_topology
+from lightning_ddp_amp.environment import Topology, read_topology, started_by
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.pytorch_lightning.precision import AmpPrecision, describe_crossing
 from lightning_ddp_amp.process_group import (
