@@ -3,6 +3,8 @@ named), and the clear error where a user asks for what this torch cannot do."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -11,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from conftest import free_port, worker_env
 from packaging.version import Version
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -107,6 +109,12 @@ def recorded_init(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         def add(self, key: str, amount: int) -> int:
             return amount
 
+        def set(self, key: str, value: str) -> None:
+            pass
+
+        def wait(self, keys: list[str], timeout: timedelta) -> None:
+            pass  # every rank has joined
+
     monkeypatch.setattr(dist, "TCPStore", StoreDouble)
     monkeypatch.setattr(dist, "PrefixStore", StoreDouble)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: recorded.update(kwargs))
@@ -172,6 +180,55 @@ def test_a_rank_alone_is_a_peer_error_counting_the_ranks_that_joined() -> None:
     )
     with pytest.raises(PeerError, match=r"^WORLD_SIZE=2: rank 0 waited 1s .* only 1 of 2 ranks joined"):
         process_group.init_process_group(alone, "gloo", timedelta(seconds=1), torch.device("cpu"))
+
+
+#: One rank of a job of four, joining on the CPU with a 4-second timeout: argv is its rank and rank 0's port.
+JOIN_ONE_OF_FOUR = """
+import sys, torch
+from datetime import timedelta
+from lightning_ddp_amp import process_group
+from lightning_ddp_amp.environment import Topology
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+job = Topology(rank=rank, world_size=4, local_world_size=4, master_addr="127.0.0.1", master_port=port,
+               launcher="environment")
+process_group.init_process_group(job, "gloo", timedelta(seconds=4), torch.device("cpu"))
+"""
+
+
+def test_a_start_up_wait_says_what_it_waits_for_and_ends_in_the_same_peer_error() -> None:
+    # WORLD_SIZE=4 and only ranks 0 and 1 started: each says, every second (a quarter of the timeout), what it
+    # waits for, then stops with the PeerError a silent wait ended in.
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOIN_ONE_OF_FOUR, str(rank), port],
+            env=worker_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    rank0, rank1 = (process.communicate(timeout=120)[0] for process in ranks)
+    where = f"127.0.0.1:{port}"
+    assert f"envddp: 2 of 4 ranks joined at {where}; waiting for the others (" in rank0
+    assert "s until the timeout, EnvDDPStrategy(timeout=...))" in rank0
+    assert f"PeerError: WORLD_SIZE=4: rank 0 waited 4s at {where} and only 2 of 4 ranks joined" in rank0
+    # Rank 1 may find rank 0's store at once (then it waits for the others) or wait for it first.
+    assert f"envddp: rank 1 of 4 reached rank 0 at {where} and waits for the other ranks (2 of 4 joined;" in rank1 or (
+        f"envddp: rank 1 of 4 is waiting for rank 0 at {where}" in rank1
+    )
+    assert f"PeerError: WORLD_SIZE=4: rank 1 waited 4s at {where} and only 2 of 4 ranks joined" in rank1
+
+
+def test_a_rank_waiting_for_rank_zero_says_where_it_looks(capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing listens at rank 0's address: rank 1 says where it looks for rank 0, then gives up.
+    job = Topology(
+        rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=free_port(), launcher="torchrun"
+    )
+    with pytest.raises(PeerError, match=r"^WORLD_SIZE=2: rank 1 waited 2s"):
+        process_group.init_process_group(job, "gloo", timedelta(seconds=2), torch.device("cpu"))
+    assert f"envddp: rank 1 of 2 is waiting for rank 0 at 127.0.0.1:{job.master_port} (" in capsys.readouterr().err
 
 
 def test_the_doctor_lists_what_this_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,13 +13,16 @@ and done without: :func:`torch_gaps` names it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,8 +38,10 @@ _PEER_GONE = re.compile(
     r"|NCCL communicator was aborted|remote process exited|Timed out waiting .* for recv|Watchdog caught"
     r"|Application timeout caused pair closure"
 )
-_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 _JOINED_KEY = "joined"
+_EVERYONE_KEY = "everyone_joined"
+# How often a start-up wait says what it waits for (a quarter of a shorter timeout).
+_REPORT_EVERY_S = 30.0
 
 #: Binding the group to the rank's CUDA device (``init_process_group(device_id=...)``, torch 2.3 and later) lets NCCL
 #: connect eagerly; without it the group connects at its first collective, which works the same, only later.
@@ -72,6 +77,10 @@ def torch_gaps() -> list[str]:
 def init_process_group(topology: Topology, backend: str, timeout: timedelta, device: torch.device) -> None:
     """Join the job's process group, waiting at most ``timeout`` for every peer.
 
+    While it waits, it says so about every 30 s (a quarter of a shorter timeout): rank 0 how many ranks joined at
+    which address and how long until the timeout, every other rank that it waits for rank 0 there. A start where
+    everyone arrives in time prints nothing.
+
     Raises:
         PeerError: not every rank arrived within ``timeout``.
     """
@@ -81,19 +90,23 @@ def init_process_group(topology: Topology, backend: str, timeout: timedelta, dev
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    wait = _Wait(topology, timeout)
     store = None
     try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            topology.master_addr,
-            topology.master_port,
-            topology.world_size,
-            is_master=not agent_hosts_store and topology.rank == 0,
-            timeout=timeout,
-            wait_for_workers=True,
-            multi_tenant=not agent_hosts_store,
-        )
-        attempt_store = dist.PrefixStore(f"lightning_ddp_amp/attempt_{attempt}", store)  # type: ignore[attr-defined]
-        attempt_store.add(_JOINED_KEY, 1)  # counted, so that a timeout can say how many ranks arrived
+        # Rank 0 hosts the store (or torchrun's agent does, on its node), so only the others wait to reach it.
+        with wait.reporting(lambda: None) if topology.rank != 0 else contextlib.nullcontext():
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                topology.master_addr,
+                topology.master_port,
+                topology.world_size,
+                is_master=not agent_hosts_store and topology.rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,  # the ranks are counted below, which says while it waits
+                multi_tenant=not agent_hosts_store,
+            )
+        prefix = f"lightning_ddp_amp/attempt_{attempt}"
+        attempt_store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+        wait.for_every_rank(attempt_store, prefix)
         binding: dict[str, Any] = {"device_id": device} if BINDS_DEVICE and device.type == "cuda" else {}
         dist.init_process_group(
             backend, store=attempt_store, rank=topology.rank, world_size=topology.world_size, timeout=timeout, **binding
@@ -102,6 +115,80 @@ def init_process_group(topology: Topology, backend: str, timeout: timedelta, dev
         raise _missing_peers(topology, timeout, error, _joined(store, attempt)) from error
     global _started
     _started = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
+
+
+class _Wait:
+    """The start-up wait for the job's ranks, within one deadline, saying about every 30 s what it waits for."""
+
+    def __init__(self, topology: Topology, timeout: timedelta) -> None:
+        self.topology = topology
+        self.deadline = time.monotonic() + timeout.total_seconds()
+        self.every = min(_REPORT_EVERY_S, timeout.total_seconds() / 4)
+        assert topology.master_addr is not None and topology.master_port is not None
+        self.address, self.port = topology.master_addr, topology.master_port
+        self.where = f"{self.address}:{self.port}"
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, joined: int | None) -> None:
+        rank, world_size = self.topology.rank, self.topology.world_size
+        until = f"{max(self.left(), 0):.0f}s until the timeout, EnvDDPStrategy(timeout=...)"
+        if rank == 0 and joined is None:  # the count could not be read
+            line = f"waiting at {self.where} for the other ranks ({until})"
+        elif rank == 0:
+            line = f"{joined} of {world_size} ranks joined at {self.where}; waiting for the others ({until})"
+        elif joined is None:
+            line = f"rank {rank} of {world_size} is waiting for rank 0 at {self.where} ({until})"
+        else:
+            line = (
+                f"rank {rank} of {world_size} reached rank 0 at {self.where} and waits for the other ranks"
+                f" ({joined} of {world_size} joined; {until})"
+            )
+        print(f"envddp: {line}", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def reporting(self, joined: Callable[[], int | None]) -> Iterator[None]:
+        """Say every ``self.every`` seconds, while the block runs, what this rank waits for (``joined()`` ranks)."""
+        finished = threading.Event()
+
+        def report() -> None:
+            while not finished.wait(self.every):
+                self.say(joined())
+
+        reporter = threading.Thread(target=report, name="envddp-start-up-wait", daemon=True)
+        reporter.start()
+        try:
+            yield
+        finally:
+            finished.set()
+            reporter.join()
+
+    def for_every_rank(self, store: Any, prefix: str) -> None:
+        """Count this rank in, then wait until every rank is counted.
+
+        Raises:
+            DistStoreError: (RuntimeError before torch 2.2) the deadline passed first.
+        """
+        if store.add(_JOINED_KEY, 1) == self.topology.world_size:
+            store.set(_EVERYONE_KEY, "1")  # the last to arrive lets everyone go on
+        counter: list[Any] = []
+
+        def joined() -> int | None:
+            # Read on a connection of the reporter's own, opened only once a report is due: the waiting one is busy.
+            try:
+                if not counter:
+                    client = dist.TCPStore(  # type: ignore[attr-defined]
+                        self.address, self.port, is_master=False, timeout=timedelta(seconds=5)
+                    )
+                    counter.append(dist.PrefixStore(prefix, client))  # type: ignore[attr-defined]
+                count: int = counter[0].add(_JOINED_KEY, 0)
+            except (_StoreError, _NetworkError):
+                return None
+            return count
+
+        with self.reporting(joined):
+            store.wait([_EVERYONE_KEY], timedelta(seconds=max(self.left(), 0.001)))
 
 
 def started_by_script() -> bool:
@@ -179,9 +266,6 @@ def _joined(store: Any, attempt: str) -> int | None:
 
 
 def _missing_peers(topology: Topology, timeout: timedelta, error: Exception, joined: int | None) -> PeerError:
-    if joined is None:
-        match = _JOINED.search(str(error))
-        joined = int(match.group(1)) if match else None
     count = f"only {joined} of {topology.world_size} ranks joined" if joined is not None else "not every rank arrived"
     return PeerError(
         "WORLD_SIZE",
