@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,63 @@ def test_console_script_runs_the_doctor() -> None:
     result = subprocess.run([str(script), "env"], env=worker_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("lightning-ddp-amp 0.1.0 environment report")
+
+
+# --- the classic multi-node mistakes ----------------------------------------------------------------------------
+
+TWO_NODES_BY_HAND = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29500",
+}
+
+
+@pytest.mark.parametrize("loopback", ["localhost", "127.0.0.1", "127.0.1.1", "::1"])
+def test_several_nodes_meeting_on_a_loopback_address_is_a_problem_with_its_fix(loopback: str) -> None:
+    env = {**TWO_NODES_BY_HAND, "MASTER_ADDR": loopback, "MASTER_PORT": str(free_port())}
+    (problem,) = [p for p in doctor.report(env)["problems"] if p["problem"].startswith("MASTER_ADDR=")]
+    assert problem["problem"].startswith(f"MASTER_ADDR={loopback!r} with 2 nodes: a loopback address is every node's")
+    assert problem["fix"].startswith("set MASTER_ADDR to the hostname or IP address of rank 0's node")
+
+
+def test_one_node_on_localhost_and_several_nodes_on_a_hostname_are_fine() -> None:
+    one_node = {
+        **TWO_NODES_BY_HAND,
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(free_port()),
+    }
+    two_nodes = {**TWO_NODES_BY_HAND, "MASTER_PORT": str(free_port())}
+    for env in (one_node, two_nodes):
+        assert not [
+            p for p in doctor.report(env)["problems"] if p["problem"].startswith(("MASTER_ADDR", "MASTER_PORT"))
+        ]
+
+
+def test_a_master_port_already_in_use_on_rank_zeros_node_is_a_problem_with_its_fix() -> None:
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**TWO_NODES_BY_HAND, "MASTER_PORT": str(port)}
+        (problem,) = [p for p in doctor.report(env)["problems"] if p["problem"].startswith("MASTER_PORT=")]
+        # Under torchrun its agent holds the port for the ranks: not a problem there.
+        under_torchrun = {**env, "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        assert not [p for p in doctor.report(under_torchrun)["problems"] if p["problem"].startswith("MASTER_PORT=")]
+    assert problem["problem"] == (
+        f"MASTER_PORT={port}: another process on this node (rank 0's) already listens on it, so rank 0 cannot open"
+        " the job's store there"
+    )
+    assert problem["fix"].startswith("pick a free port (MASTER_PORT, or torchrun --master-port)")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["env", "--help"]])
+def test_help_reads_as_plain_text(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        doctor.main(args)
+    text = capsys.readouterr().out
+    assert "lightning-ddp-amp" in text
+    assert "``" not in text and ":class:" not in text

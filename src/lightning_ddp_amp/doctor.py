@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import ipaddress
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -133,6 +135,7 @@ def _launcher(
                 " LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process",
             }
         )
+    problems.extend(_rendezvous_problems(env, topology))
     section["topology"] = {
         "rank": topology.rank,
         "local_rank": topology.local_rank,
@@ -144,6 +147,49 @@ def _launcher(
         "master_port": topology.master_port,
     }
     return section, topology
+
+
+def _rendezvous_problems(env: Mapping[str, str], topology: Topology) -> list[dict[str, str]]:
+    """The classic multi-node mistakes: rank 0's address on loopback, or its port already taken on its node."""
+    found = []
+    address, port = topology.master_addr, topology.master_port
+    if topology.num_nodes > 1 and address is not None and _is_loopback(address):
+        found.append(
+            {
+                "problem": f"MASTER_ADDR={address!r} with {topology.num_nodes} nodes: a loopback address is every"
+                " node's own, so the other nodes' ranks would look for rank 0 on themselves and the job can only hang",
+                "fix": "set MASTER_ADDR to the hostname or IP address of rank 0's node, the same on every node"
+                " (torchrun --master-addr=node0)",
+            }
+        )
+    # Under torchrun the agent already holds the port for its store: only a rank 0 that opens it itself is checked.
+    opens_the_store = topology.node_rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if port is not None and topology.world_size > 1 and opens_the_store and _port_taken(port):
+        found.append(
+            {
+                "problem": f"MASTER_PORT={port}: another process on this node (rank 0's) already listens on it, so"
+                " rank 0 cannot open the job's store there",
+                "fix": f"pick a free port (MASTER_PORT, or torchrun --master-port), or stop the process holding {port}"
+                f" (`ss -ltnp 'sport = :{port}'`)",
+            }
+        )
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return address.lower() in ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 def _decision(topology: Topology, gpus: int) -> str:
@@ -444,12 +490,18 @@ def render(data: Mapping[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``lightning-ddp-amp`` command. Returns 0 when the report lists no problems, else 1."""
-    parser = argparse.ArgumentParser(prog="lightning-ddp-amp", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-ddp-amp", description=__doc__.split("\n")[0].replace("``", ""))
     # What `python -m torch.distributed.launch` without --use-env puts before the command, so the doctor runs
     # under it too.
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
-    env = commands.add_parser("env", help="report the launcher, devices, versions and apex, with fixes")
+    env = commands.add_parser(
+        "env",
+        help="report the launcher, devices, versions and apex, with fixes",
+        description="Report the launcher, topology, devices, versions, process-group backends and NVIDIA apex this"
+        " process would train with, and each problem with its fix. Run it on every node (or rank) of the job: it"
+        " starts no process group. Exits 1 when it finds a problem.",
+    )
     env.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     data = report(argv=[] if args.local_rank is None else [f"--local-rank={args.local_rank}"])

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import ipaddress
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -99,6 +101,19 @@ def report(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None 
 def _launcher(
     env: Mapping[str, str], argv: list[str], problems: list[dict[str, str]]
 ) -> tuple[dict[str, Any], Topology | None]:
+    ...
+
+
+def _rendezvous_problems(env: Mapping[str, str], topology: Topology) -> list[dict[str, str]]:
+    """The classic multi-node mistakes: rank 0's address on loopback, or its port already taken on its node."""
+    ...
+
+
+def _is_loopback(address: str) -> bool:
+    ...
+
+
+def _port_taken(port: int) -> bool:
     ...
 
 
