@@ -317,6 +317,12 @@ def make_cuda_double(monkeypatch: pytest.MonkeyPatch) -> tuple[EnvDDPStrategy, l
             calls.append(f"add({key}, {amount})")
             return amount
 
+        def set(self, key: str, value: str) -> None:
+            pass
+
+        def wait(self, keys: list[str], timeout: Any) -> None:
+            pass  # every rank has joined
+
         def __str__(self) -> str:
             return self.name
 
