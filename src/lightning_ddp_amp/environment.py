@@ -93,13 +93,14 @@ class Topology:
 
 
 def started_by(launcher: str) -> str:
-    """Who started the processes, in words, for the one start-up line and the doctor: ``"started by torchrun"``."""
+    """Who started the processes, in words, for the one start-up line and the doctor: ``"started by torchrun"``.
+
+    Only asked under a launcher: without one, the strategy and the doctor say what happens instead.
+    """
     if launcher == "self-launch":
         return "started by the script itself, through torchrun (self-launch)"
     if launcher == "environment":
         return "started with launcher variables set by hand (RANK, WORLD_SIZE, MASTER_ADDR, ...)"
-    if launcher == "none":
-        return "started without a launcher"
     return f"started by {launcher}"
 
 
