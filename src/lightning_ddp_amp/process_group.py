@@ -112,7 +112,8 @@ def init_process_group(topology: Topology, backend: str, timeout: timedelta, dev
             backend, store=attempt_store, rank=topology.rank, world_size=topology.world_size, timeout=timeout, **binding
         )
     except (_StoreError, _NetworkError, dist.DistBackendError) as error:
-        raise _missing_peers(topology, timeout, error, _joined(store, attempt)) from error
+        joined = _joined(store, attempt)
+        raise _missing_peers(topology, timeout, error, wait.counted if joined is None else joined) from error
     global _started
     _started = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
 
@@ -127,6 +128,9 @@ class _Wait:
         assert topology.master_addr is not None and topology.master_port is not None
         self.address, self.port = topology.master_addr, topology.master_port
         self.where = f"{self.address}:{self.port}"
+        #: The joined ranks last counted while waiting, for the error when the count cannot be read at the end (rank
+        #: 0, which hosts the store, gave up and left first).
+        self.counted: int | None = None
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -185,6 +189,7 @@ class _Wait:
                 count: int = counter[0].add(_JOINED_KEY, 0)
             except (_StoreError, _NetworkError):
                 return None
+            self.counted = count
             return count
 
         with self.reporting(joined):
