@@ -1,21 +1,6 @@
-"""The classic apex recipe with two models and one optimizer, rewritten as a LightningModule.
-
-The script this replaces::
-
-    model_a, model_b = Encoder().cuda(), Head().cuda()
-    optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=0.05)
-    [model_a, model_b], optimizer = amp.initialize([model_a, model_b], optimizer, opt_level="O1")
-    model_a, model_b = DDP(model_a), DDP(model_b)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = criterion(model_b(model_a(x)), y)
-            with amp.scale_loss(loss, optimizer) as scaled_loss:
-                scaled_loss.backward()
-            optimizer.step()
-
-Run it:
+"""examples/classic/train.py (DDP, a DistributedSampler and NVIDIA apex amp by hand, two sub-models sharing one
+optimizer) rewritten for Lightning with envddp and AmpPrecision. With the same precision it ends in the same weights
+(tests/test_readme.py checks it on 2 ranks).
 
     torchrun --nproc-per-node=2 examples/two_models_one_optimizer.py                    # CPU: precision amp-O1
     torchrun --nproc-per-node=8 examples/two_models_one_optimizer.py --precision apex-O1 --accelerator cuda
@@ -25,6 +10,7 @@ import argparse
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import AmpPrecision  # importing the package registers "envddp", "apex-O*" and "amp-O*"
@@ -76,6 +62,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--checkpoints", default="checkpoints", help="the directory rank 0 saves to")
     # What `python -m torch.distributed.launch` without --use-env passes; envddp reads it, argparse must accept it.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = parser.parse_args()
@@ -91,7 +78,7 @@ def main() -> None:
         accelerator=args.accelerator,
         max_epochs=args.epochs,
         logger=False,
-        enable_checkpointing=False,
+        callbacks=[ModelCheckpoint(dirpath=args.checkpoints)],  # rank 0 saves, with the amp state
         enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -1,0 +1,88 @@
+"""The classic script examples/two_models_one_optimizer.py replaces: DDP, a DistributedSampler and NVIDIA apex amp,
+by hand, with two sub-models sharing one optimizer (README, "Migrating a classic script").
+
+    torchrun --nproc-per-node=8 examples/classic/train.py    # NCCL on cuda:LOCAL_RANK, apex amp O1
+
+It needs NVIDIA apex (releases up to 25.05, built with CUDA). The tests run it on CPU ranks with gloo and the apex
+test double (tests/doubles), and check that the migrated script ends in the same weights.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from apex import amp
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.relu(x))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--opt-level", default="O1")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--checkpoint", default="checkpoint.pt")
+    args = parser.parse_args()
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", init_method="env://")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", init_method="env://")
+
+    torch.manual_seed(0)
+    x = torch.randn(1024, 32)
+    y = (x[:, :10].argmax(dim=1) + (x[:, 10] > 0).long()) % 10
+    dataset = TensorDataset(x, y)
+    sampler = DistributedSampler(dataset, shuffle=True)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+
+    model_a, model_b = Encoder().to(device), Head().to(device)
+    optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=args.lr)
+    [model_a, model_b], optimizer = amp.initialize([model_a, model_b], optimizer, opt_level=args.opt_level)
+    device_ids = [local_rank] if device.type == "cuda" else None
+    model_a, model_b = DDP(model_a, device_ids=device_ids), DDP(model_b, device_ids=device_ids)
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model_b(model_a(x)).float(), y)
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+        if rank == 0:
+            print(f"epoch {epoch}: loss {loss.item():.4f}")
+
+    if rank == 0:
+        state = {"model_a": model_a.module.state_dict(), "model_b": model_b.module.state_dict()}
+        torch.save({**state, "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}, args.checkpoint)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
