@@ -202,19 +202,26 @@ def test_self_launch_without_restarts_exits_with_the_failed_ranks_status(runs: P
 # --- preemption -----------------------------------------------------------------------------------------------
 
 
-def test_sigterm_to_the_launcher_saves_a_checkpoint_and_the_next_start_resumes(
-    torchrun: Torchrun, uninterrupted: Path, runs: Path
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: signal.Signals(s).name)
+def test_a_stop_signal_to_the_launcher_saves_a_checkpoint_and_the_next_start_resumes(
+    torchrun: Torchrun, uninterrupted: Path, runs: Path, stop: signal.Signals
 ) -> None:
-    out = runs / "preempted"
+    # SIGTERM: a scheduler preempting torchrun. SIGINT: Ctrl-C in torchrun's terminal, which torchrun passes on to
+    # the ranks (they run in sessions of their own, so the terminal's SIGINT reaches torchrun only).
+    out = runs / f"stopped-by-{stop.name}"
     out.mkdir()
-    # No periodic checkpoint before the signal: what the next start finds is the one SIGTERM saved.
+    # No periodic checkpoint before the signal: what the next start finds is the one the signal saved.
     launcher = torchrun.start(SCRIPT, "--out", str(out), "--every", "1000", "--auto-resume", "--step-delay", "0.1")
     wait_for_step(out, 5, launcher)
-    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(stop)
     first = finish(launcher, timeout=120)
     saved = sorted((out / "checkpoints").glob("preempted-step=*.ckpt"))
     assert len(saved) == 1, first.stdout[-4000:]
-    # The ranks exit 143; torchrun itself dies of its SignalException, which Python reports as 1 (torch's choice).
+    assert f"envddp: {stop.name} received; saved {saved[0]}, the next start resumes from it" in first.stdout
+    if stop == signal.SIGINT:
+        assert first.stdout.count("envddp: Ctrl-C (SIGINT): the ranks save a checkpoint at the next step") == 1
+    # The ranks exit 128 + the signal; torchrun itself dies of its SignalException, which Python reports as 1
+    # (torch's choice).
     assert first.returncode == 1, first.stdout[-4000:]
     preempted_at = int(saved[0].stem.split("=")[1])
     assert preempted_at >= 5
@@ -286,29 +293,32 @@ def test_under_srun_or_mpirun_every_rank_exits_143_after_a_sigterm_to_one(runs: 
     assert len(list((out / "checkpoints").glob("preempted-step=*.ckpt"))) == 1
 
 
-@pytest.mark.parametrize("signalled", ["agent", "one rank"])
-def test_a_preempted_self_launch_exits_143_and_ends_with_one_line_naming_the_checkpoint(
-    runs: Path, signalled: str
+@pytest.mark.parametrize(
+    ("signalled", "stop"),
+    [("agent", signal.SIGTERM), ("one rank", signal.SIGTERM), ("agent", signal.SIGINT)],
+    ids=["SIGTERM-agent", "SIGTERM-one-rank", "SIGINT-agent"],
+)
+def test_a_preempted_self_launch_exits_128_plus_the_signal_and_ends_with_one_line_naming_the_checkpoint(
+    runs: Path, signalled: str, stop: signal.Signals
 ) -> None:
     # `python train.py` with devices=2: the process started becomes torchrun's agent. A scheduler signals it, or
-    # only one rank; either way the ranks agree, save and exit 143.
-    out = runs / f"self-launched-preempted-{signalled.replace(' ', '-')}"
+    # only one rank; either way the ranks agree, save and exit 143. Ctrl-C in its terminal: the same, with 130.
+    out = runs / f"self-launched-{stop.name}-{signalled.replace(' ', '-')}"
     out.mkdir()
     agent = start_python(
         SCRIPT, "--out", str(out), "--devices", "2", "--every", "1000", "--auto-resume", "--step-delay", "0.1"
     )
     wait_for_step(out, 3, agent)
     if signalled == "agent":
-        agent.send_signal(signal.SIGTERM)
+        agent.send_signal(stop)
     else:
-        subprocess.run(["kill", "-TERM", (out / "pids" / "rank1").read_text()], check=True)
+        subprocess.run(["kill", f"-{stop.name[3:]}", (out / "pids" / "rank1").read_text()], check=True)
     result = finish(agent, timeout=120)
-    assert result.returncode == 143, result.stdout[-4000:]
+    assert result.returncode == 128 + stop, result.stdout[-4000:]
     (saved,) = (out / "checkpoints").glob("preempted-step=*.ckpt")
     lines = result.stdout.splitlines()
-    said = (
-        f"envddp: the run was preempted (SIGTERM); rank 0 saved {saved}; start the same command again to resume from it"
-    )
+    how = "stopped by Ctrl-C (SIGINT)" if stop == signal.SIGINT else "preempted (SIGTERM)"
+    said = f"envddp: the run was {how}; rank 0 saved {saved}; start the same command again to resume from it"
     # Once, at the end: only what the interpreter may print as it exits can follow.
     assert lines.count(said) == 1, result.stdout[-4000:]
     assert said in lines[-3:], result.stdout[-4000:]

@@ -579,6 +579,30 @@ def test_sigterm_during_training_only_raises_a_flag() -> None:
         PREEMPTION.stop()
 
 
+def test_the_first_ctrl_c_during_training_raises_a_flag_and_the_second_a_keyboard_interrupt() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    PREEMPTION.start(graceful=True)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # the handler runs in the main thread between bytecodes
+        assert PREEMPTION.agreed() == signal.SIGINT  # one process: no peers to consult
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    finally:
+        PREEMPTION.stop()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_without_auto_resume_ctrl_c_stays_lightnings() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    PREEMPTION.start(graceful=False)
+    try:
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        PREEMPTION.stop()
+
+
 def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> None:
     script = tmp_path / "sigterm.py"
     script.write_text(

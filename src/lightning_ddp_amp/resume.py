@@ -6,7 +6,8 @@
   restarted by ``torchrun --max-restarts`` (or resubmitted by a scheduler) continues where it stopped;
 * while the training loop runs, SIGTERM to any rank (a scheduler's preemption, torchrun shutting down) only raises
   a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
-  status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
+  status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one;
+* the first Ctrl-C (SIGINT) does the same, with status 130 (128 + SIGINT); a second one stops at once, unsaved.
 
 A checkpoint saved mid-epoch continues on any number of ranks, with the data set, seed and order it was saved with
 (see :mod:`lightning_ddp_amp.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words
@@ -22,6 +23,7 @@ import contextlib
 import inspect
 import os
 import re
+import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
-from lightning_ddp_amp.preemption import PREEMPTED_EXIT_CODE, PREEMPTION
+from lightning_ddp_amp.preemption import PREEMPTION
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -335,19 +337,23 @@ class AutoResume:
         PREEMPTION.start(graceful=self.enabled, group=self._group)
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        """At accumulation boundaries, after a SIGTERM on any rank: all ranks save together and stop.
+        """At accumulation boundaries, after a SIGTERM or Ctrl-C on any rank: all ranks save together and stop.
 
         Raises:
             SIGTERMException: The ranks agreed to stop; the checkpoint is saved.
         """
         if not self.enabled:
             return
-        if batch_idx % trainer.accumulate_grad_batches == 0 and PREEMPTION.agreed():
+        if batch_idx % trainer.accumulate_grad_batches == 0 and (signum := PREEMPTION.agreed()):
             path = checkpoint_dirs(trainer)[0] / f"preempted-step={trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)  # rank 0 writes; every rank takes part
             PREEMPTION.saved(path)
-            rank_zero_info(f"envddp: SIGTERM received; saved {path}, the next start resumes from it")
-            raise SIGTERMException(PREEMPTED_EXIT_CODE)
+            rank_zero_info(
+                f"envddp: {signal.Signals(signum).name} received; saved {path}, the next start resumes from it"
+            )
+            # Lightning's exception for a stop signal (OnExceptionCheckpoint and on_exception hooks know it), with
+            # the status a shell gives that signal: 143, or 130 after Ctrl-C.
+            raise SIGTERMException(128 + signum)
 
     def stop(self) -> None:
         """Give SIGTERM back to its previous handler (training ended, or the Trainer tears down)."""

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE, other_launcher
 from lightning_ddp_amp.errors import StrategyConfigurationError
-from lightning_ddp_amp.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_REPORT_VARIABLE
+from lightning_ddp_amp.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, PREEMPTION_REPORT_VARIABLE
 
 
 def script_command(main: ModuleType | None = None, argv: Sequence[str] | None = None) -> list[str]:
@@ -98,8 +98,8 @@ def plan(nproc: int, max_restarts: int) -> list[str]:
 def launch(arguments: Sequence[str]) -> NoReturn:
     """Run torchrun with ``arguments`` (from :func:`plan`) in this process, then exit with the ranks' status.
 
-    Exits 0 when every rank finished; 143 after a preemption (the ranks saved a checkpoint on SIGTERM), with one
-    line naming the checkpoint instead of torchrun's failure summary; with the exit status of the first rank that
+    Exits 0 when every rank finished; 143 after a preemption (the ranks saved a checkpoint on SIGTERM), 130 after a
+    Ctrl-C that they saved on, with one line naming the checkpoint instead of torchrun's failure summary; with the exit status of the first rank that
     failed (128 + the signal number for a rank killed by a signal, as a shell reports it), after torchrun's summary
     of the failure; with 128 + the signal number when this process is signalled (torchrun has then stopped the
     ranks, which save a checkpoint on the way out with ``auto_resume``: the same one line names it); with 1 when
@@ -119,8 +119,13 @@ def launch(arguments: Sequence[str]) -> NoReturn:
     except ChildFailedError as error:
         saved = preempted_checkpoint(report, error.failures.values())
         if saved is not None:
-            _say_preempted("SIGTERM", saved)
-            raise SystemExit(PREEMPTED_EXIT_CODE) from None
+            # The ranks exit 143 after a SIGTERM and 130 after a Ctrl-C (a peer torchrun stopped first dies of its
+            # SIGTERM): a rank that exited 143 makes it a SIGTERM, as the ranks agree on.
+            statuses = {failure.exitcode for failure in error.failures.values()}
+            interrupted = INTERRUPTED_EXIT_CODE in statuses and PREEMPTED_EXIT_CODE not in statuses
+            by = signal.SIGINT if interrupted else signal.SIGTERM
+            _say_preempted(by.name, saved)
+            raise SystemExit(128 + by) from None
         failure = _first_failure(error.failures.values())
         print(str(error), file=sys.stderr)
         status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
@@ -154,14 +159,15 @@ def preempted_checkpoint(report: str, failures: Iterable[Any]) -> str | None:
             saved = file.read()
     except OSError:  # removed from under the agent (a cleaned /tmp): no checkpoint to name
         return None
-    preempted = all(failure.exitcode in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for failure in failures)
+    stopped = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGINT)
+    preempted = all(failure.exitcode in stopped for failure in failures)
     return saved if saved and preempted else None
 
 
 def _say_preempted(signal_name: str, checkpoint: str) -> None:
+    how = "stopped by Ctrl-C (SIGINT)" if signal_name == "SIGINT" else f"preempted ({signal_name})"
     print(
-        f"envddp: the run was preempted ({signal_name}); rank 0 saved {checkpoint}; start the same command again to"
-        " resume from it",
+        f"envddp: the run was {how}; rank 0 saved {checkpoint}; start the same command again to resume from it",
         file=sys.stderr,
     )
 

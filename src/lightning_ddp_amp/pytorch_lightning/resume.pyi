@@ -7,7 +7,8 @@
   restarted by ``torchrun --max-restarts`` (or resubmitted by a scheduler) continues where it stopped;
 * while the training loop runs, SIGTERM to any rank (a scheduler's preemption, torchrun shutting down) only raises
   a flag; within two accumulation boundaries every rank agrees, saves ``preempted-step=<N>.ckpt`` and exits with
-  status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one.
+  status 143 (128 + SIGTERM), so that launchers and schedulers see a preempted run, not a finished one;
+* the first Ctrl-C (SIGINT) does the same, with status 130 (128 + SIGINT); a second one stops at once, unsaved.
 
 A checkpoint saved mid-epoch continues on any number of ranks, with the data set, seed and order it was saved with
 (see :mod:`lightning_ddp_amp.pytorch_lightning.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words
@@ -23,6 +24,7 @@ import contextlib
 import inspect
 import os
 import re
+import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +44,7 @@ from typing_extensions import override
 
 import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
-from lightning_ddp_amp.preemption import PREEMPTED_EXIT_CODE, PREEMPTION
+from lightning_ddp_amp.preemption import PREEMPTION
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -211,7 +213,7 @@ class AutoResume:
         ...
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        """At accumulation boundaries, after a SIGTERM on any rank: all ranks save together and stop.
+        """At accumulation boundaries, after a SIGTERM or Ctrl-C on any rank: all ranks save together and stop.
 
         Raises:
             SIGTERMException: The ranks agreed to stop; the checkpoint is saved.
