@@ -1,9 +1,9 @@
 """examples/classic/train.py (DDP, a DistributedSampler and NVIDIA apex amp by hand, two sub-models sharing one
-optimizer) rewritten for Lightning with envddp and AmpPrecision. With the same precision it ends in the same weights
-(tests/test_readme.py checks it on 2 ranks).
+optimizer) rewritten for Lightning with envddp and AmpPrecision. Under the same command it ends in the same weights
+(tests/test_examples.py checks it on 2 ranks).
 
-    torchrun --nproc-per-node=2 examples/two_models_one_optimizer.py                    # CPU: precision amp-O1
-    torchrun --nproc-per-node=8 examples/two_models_one_optimizer.py --precision apex-O1 --accelerator cuda
+    torchrun --nproc-per-node=8 examples/two_models_one_optimizer.py    # amp-O1: apex O1 on GPUs with apex
+    torchrun --nproc-per-node=2 examples/two_models_one_optimizer.py    # on the CPU: torch's AMP O1
 """
 
 import argparse
@@ -59,7 +59,7 @@ class TwoModels(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--precision", default="amp-O1", help="apex-O0..O3, amp-O0..O3 or any Lightning value")
-    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--checkpoints", default="checkpoints", help="the directory rank 0 saves to")

@@ -1,7 +1,7 @@
 """Elastic resume with real processes: a checkpoint saved mid-epoch on W ranks continues on W' ranks through
 ``Trainer.fit`` (workers/train_elastic.py), each remaining sample trained once, counted per sample index.
 
-The pad rule these tests count with (README, "Resuming"): the rest of the epoch is padded to a multiple of W' with
+The pad rule these tests count with (docs/resume.md, "On another number of ranks"): the rest of the epoch is padded to a multiple of W' with
 the epoch's first samples, as ``DistributedSampler`` pads an epoch; those pad samples are trained a second time.
 """
 

@@ -93,18 +93,19 @@ def test_two_models_one_optimizer_trains_on_two_ranks_with_amp_o1(torchrun: Torc
 
 @needs_cpu_fp16
 def test_the_migrated_script_ends_in_the_classic_scripts_weights(torchrun: Torchrun, tmp_path: Path) -> None:
-    # The README's before and after, on 2 ranks under apex O1 (the CPU test double of apex stands in for apex): the
-    # classic script's DDP, DistributedSampler and amp.scale_loss by hand against envddp and precision="apex-O1".
+    # The README's before and after under the same command, on 2 ranks (the CPU test double of apex stands in for
+    # apex, and runs on the CPU): the classic script's DDP, DistributedSampler and amp.scale_loss by hand against
+    # envddp and the migrated script's default precision="amp-O1", which is apex O1 where apex runs.
     classic, migrated = tmp_path / "classic.pt", tmp_path / "migrated"
     check(torchrun.run(str(EXAMPLES / "classic" / "train.py"), "--checkpoint", str(classic), apex_double=True))
     result = check(
         torchrun.run(
             str(EXAMPLES / "two_models_one_optimizer.py"),
-            *("--precision", "apex-O1", "--checkpoints", str(migrated)),
+            *("--checkpoints", str(migrated)),
             apex_double=True,
         )
     )
-    assert "apex-O1: apex amp O1 on 2 rank(s); final loss" in result.stdout
+    assert "amp-O1: apex amp O1 on 2 rank(s); final loss" in result.stdout
     before = torch.load(classic, weights_only=False)
     (checkpoint,) = migrated.glob("*.ckpt")
     after = torch.load(checkpoint, weights_only=False)

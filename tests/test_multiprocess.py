@@ -299,6 +299,12 @@ def test_plain_python_with_two_devices_starts_its_own_ranks_and_ends_with_the_re
     seen = {(r["rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
     assert seen == {(0, 2, "self-launch"), (1, 2, "self-launch")}
     assert max_abs_difference(weights(recipe), weights(tmp_path)) <= TOLERANCE
+    # The agent leaves the objects it imported to its exit, not to a last garbage collection (~1 s); the ranks,
+    # whose script goes on after the fit, are left alone.
+    exits = sorted(line for line in result.stdout.splitlines() if line.startswith("exit of "))
+    assert exits == ["exit of 0: gc frozen False", "exit of 1: gc frozen False", "exit of agent: gc frozen True"], (
+        result.stdout[-3000:]
+    )
 
 
 def test_plain_python_trains_as_one_process(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The package's own work per training step is exactly what the README documents ("What runs every step").
+"""The package's own work per training step is exactly what docs/strategy.md documents ("What runs every step").
 
 A worker counts the calls into lightning_ddp_amp during two fits of 4 and 12 steps on 2 ranks; every function
 whose count grows with the steps is per-step work. Setup work (reading the environment, choosing devices,
@@ -15,7 +15,7 @@ from conftest import Torchrun, check
 
 pytestmark = pytest.mark.multiprocess
 
-#: Per-step work the README documents, and why it runs each step.
+#: Per-step work docs/strategy.md documents, and why it runs each step.
 DOCUMENTED = {
     # Lightning asks the strategy for its device and ranks (cached properties, no computation).
     "strategy.EnvDDPStrategy.parallel_devices",

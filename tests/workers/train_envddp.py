@@ -1,12 +1,16 @@
 """The same training as train_recipe.py, written as a LightningModule and run with Trainer(strategy="envddp").
 
 Each rank writes OUT/rank<RANK>.json with what it saw (topology, sample indices per epoch, eval indices,
-metrics, which files it wrote); rank 0 also saves the final weights to OUT/weights.pt.
+metrics, which files it wrote); rank 0 also saves the final weights to OUT/weights.pt. Every process, a
+self-launch's agent included, says as it exits whether its objects were frozen out of the last garbage collection.
 """
 
 import argparse
+import atexit
+import gc
 import importlib
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +19,11 @@ from typing import Any
 import torch
 from common import LR, build_net, train_set, val_set
 from torch.utils.data import DataLoader
+
+# One write per line: the ranks and the agent share the output and exit at the same moment.
+atexit.register(
+    lambda: os.write(1, f"exit of {os.environ.get('RANK', 'agent')}: gc frozen {gc.get_freeze_count() > 0}\n".encode())
+)
 
 # `--namespace pytorch_lightning`: the same run with the standalone package and the plugins built for it.
 NAMESPACE = sys.argv[sys.argv.index("--namespace") + 1] if "--namespace" in sys.argv else "lightning"
