@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -579,6 +580,15 @@ def test_sigterm_during_training_only_raises_a_flag() -> None:
         PREEMPTION.stop()
 
 
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as at Python's start (Lightning's own shutdown after one ignores it)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.usefixtures("python_sigint")
 def test_the_first_ctrl_c_during_training_raises_a_flag_and_the_second_a_keyboard_interrupt() -> None:
     before = signal.getsignal(signal.SIGINT)
     PREEMPTION.start(graceful=True)
@@ -594,6 +604,7 @@ def test_the_first_ctrl_c_during_training_raises_a_flag_and_the_second_a_keyboar
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_without_auto_resume_ctrl_c_stays_lightnings() -> None:
     before = signal.getsignal(signal.SIGINT)
     PREEMPTION.start(graceful=False)
@@ -601,6 +612,21 @@ def test_without_auto_resume_ctrl_c_stays_lightnings() -> None:
         assert signal.getsignal(signal.SIGINT) is before
     finally:
         PREEMPTION.stop()
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_an_ignored_ctrl_c_stays_ignored_under_auto_resume() -> None:
+    # A job started in the background (`nohup`, `&` in a script) ignores SIGINT: no Ctrl-C is meant to reach it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    PREEMPTION.start(graceful=True)
+    try:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert PREEMPTION.agreed() == 0
+    finally:
+        PREEMPTION.stop()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> None:

@@ -64,7 +64,8 @@ class Preemption:
         self._question = None
         self._report("")  # an earlier attempt's checkpoint (torchrun restarted the ranks) is not this one's
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm if graceful else signal.SIG_DFL)
-        if graceful:
+        # An ignored SIGINT (a job started in the background, `nohup`) stays ignored: no Ctrl-C is meant to reach it.
+        if graceful and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
     def stop(self) -> None:
@@ -99,7 +100,10 @@ class Preemption:
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         # The first Ctrl-C saves; the next one is a KeyboardInterrupt again, for whoever cannot wait for the save.
         self.requested = max(self.requested, signal.SIGINT)
-        signal.signal(signal.SIGINT, self._previous_sigint or signal.default_int_handler)
+        # What SIGINT did before (None: a handler set outside Python, for which Python's own stands in).
+        signal.signal(
+            signal.SIGINT, signal.default_int_handler if self._previous_sigint is None else self._previous_sigint
+        )
         if not dist.is_initialized() or dist.get_rank() == 0:
             # os.write, not print: a handler that prints while the main thread prints would raise in it.
             os.write(sys.stderr.fileno(), _ON_SIGINT.encode())
