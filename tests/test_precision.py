@@ -825,10 +825,66 @@ def test_gradient_clipping_clips_the_fp32_master_gradients(apex_double: ModuleTy
 
 
 @needs_cpu_fp16
-def test_a_second_fit_in_the_same_process_is_a_clear_error(apex_double: ModuleType) -> None:
+def test_a_second_fit_in_the_same_process_is_a_clear_error_naming_the_fit(apex_double: ModuleType) -> None:
     fit(TwoModels(), precision="apex-O1")
-    with pytest.raises(PrecisionConfigurationError, match=r"^backend='apex': apex amp was already initialized"):
+    with pytest.raises(
+        PrecisionConfigurationError,
+        match=r"^backend='apex': trainer\.fit would call amp\.initialize again, but an earlier trainer\.fit in this"
+        r" process initialized apex amp.*Fix: start each fit in a new process",
+    ):
         fit(TwoModels(), precision="apex-O1")
+
+
+class Evaluated(TwoModels):
+    """TwoModels that also validates, tests and predicts, recording the dtypes of model_a's weights and output."""
+
+    def __init__(self, amp_models: bool = True) -> None:
+        super().__init__(amp_models=amp_models)
+        self.seen: dict[str, set[tuple[torch.dtype, torch.dtype]]] = {}
+
+    def evaluation_step(self, stage: str, batch: Any) -> torch.Tensor:
+        hidden = self.model_a(batch[0])
+        self.seen.setdefault(stage, set()).add((self.model_a[0].weight.dtype, hidden.dtype))
+        return self.model_b(hidden).float()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.evaluation_step("validate", batch), batch[1]))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", torch.nn.functional.mse_loss(self.evaluation_step("test", batch), batch[1]))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.evaluation_step("predict", batch)
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_evaluation_after_fit_runs_the_amp_initialized_model_without_initializing_again(
+    apex_double: ModuleType, level: str
+) -> None:
+    model = Evaluated()
+    t = fit(model, precision=f"apex-{level}")
+    loader = DataLoader(DATA, batch_size=4)
+    (validated,) = t.validate(model, loader, verbose=False)
+    (tested,) = t.test(model, loader, verbose=False)
+    predictions = t.predict(model, loader)
+    assert len(events(apex_double, "initialize")) == 1
+    assert validated["val_loss"] == pytest.approx(tested["test_loss"])
+    assert torch.isfinite(torch.cat(predictions)).all()
+    # O1 computes the linear layers in fp16 on fp32 weights; O2/O3 keep the sub-models in fp16, their outputs cast
+    # to fp32 by the forward amp.initialize patched.
+    weights_output = (torch.float32, torch.float16) if level == "O1" else (torch.float16, torch.float32)
+    assert model.seen == {stage: {weights_output} for stage in ("validate", "test", "predict")}
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("amp_models", [True, False], ids=["sub-models", "whole-module"])
+def test_evaluating_another_model_after_an_o2_fit_runs_it_as_built(apex_double: ModuleType, amp_models: bool) -> None:
+    # The whole module's batch is cast to fp16 for the model amp.initialize cast, not for another one.
+    t = fit(Evaluated(amp_models), precision="apex-O2")
+    other = Evaluated(amp_models)
+    t.validate(other, DataLoader(DATA, batch_size=4), verbose=False)
+    assert other.seen == {"validate": {(torch.float32, torch.float32)}}
 
 
 def test_a_native_checkpoint_carries_its_loss_scale_to_apex(apex_double: ModuleType) -> None:

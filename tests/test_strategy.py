@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port, worker_env
+from conftest import free_port, needs_cpu_fp16, worker_env
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
@@ -517,3 +517,45 @@ def test_only_a_group_envddp_did_not_start_counts_as_the_scripts() -> None:
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_auto_resume_setting_reads_back_as_given(enabled: bool) -> None:
     assert EnvDDPStrategy(auto_resume=enabled).auto_resume is enabled
+
+
+# --- reduce: what Lightning's sync_dist logging gets back --------------------------------------------------------
+
+REDUCE_OPS = ["mean", "avg", "sum", "max", "min"]
+REDUCE_INPUTS = {
+    "int64": torch.tensor([19, 18]),
+    "int32": torch.tensor([7, -3], dtype=torch.int32),
+    "float32": torch.tensor([1.5, -2.25]),
+    "bfloat16": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("op", REDUCE_OPS)
+@pytest.mark.parametrize("name", list(REDUCE_INPUTS))
+def test_reduce_keeps_floats_in_their_dtype_and_averages_integers_in_the_default_one(
+    script_group: Any, op: str, name: str
+) -> None:
+    value = REDUCE_INPUTS[name]
+    reduced = EnvDDPStrategy().reduce(value.clone(), reduce_op=op)
+    integer_mean = not value.is_floating_point() and op in ("mean", "avg")
+    # Never float64: apex O1 refuses to divide a float32 sum by it, and MPS has none.
+    assert reduced.dtype == (torch.get_default_dtype() if integer_mean else value.dtype)
+    assert torch.equal(reduced, value.to(reduced.dtype))  # one rank: every op returns the value itself
+
+
+def test_an_integer_mean_leaves_its_input_unchanged(script_group: Any) -> None:
+    value = torch.tensor([3, 4])
+    EnvDDPStrategy().reduce(value)
+    assert torch.equal(value, torch.tensor([3, 4]))
+
+
+@needs_cpu_fp16
+def test_lightnings_epoch_mean_divides_by_a_reduced_count_under_apex_o1(script_group: Any, apex_double: Any) -> None:
+    # Lightning's epoch mean: the reduced float32 sum of the logged values over the reduced integer sample count.
+    model = torch.nn.Linear(2, 2)
+    apex_double.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    count = EnvDDPStrategy().reduce(torch.tensor(4), reduce_op="mean")
+    mean = torch.tensor(6.0) / count
+    assert (mean.dtype, mean.item()) == (torch.float32, 1.5)
+    with pytest.raises(NotImplementedError, match="Do not know how to handle these types to promote"):
+        torch.tensor(6.0) / torch.tensor(4.0, dtype=torch.float64)  # what a float64 count met under apex O1

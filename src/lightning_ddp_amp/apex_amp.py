@@ -73,6 +73,7 @@ class ApexAmp(AmpBackend):
         self._pending_loss_scalers: list[dict[str, float]] | None = None
         self._pending_master_weights: list[Tensor] | None = None
         self._optimizers: list[Optimizer] = []
+        self._batch_cast_for: weakref.ref[Module] | None = None
         self._cast_batch = False
 
     @classmethod
@@ -139,9 +140,11 @@ class ApexAmp(AmpBackend):
             raise PrecisionConfigurationError(
                 "backend",
                 "apex",
-                "apex amp was already initialized in this process by an earlier fit, and apex supports one"
-                " amp.initialize per process",
-                'start each fit in a new process (resume from the last checkpoint), or use backend="native"',
+                "trainer.fit would call amp.initialize again, but an earlier trainer.fit in this process"
+                " initialized apex amp, and apex supports one amp.initialize per process (trainer.validate, test"
+                " and predict after a fit evaluate the model as it trained)",
+                'start each fit in a new process (trainer.fit(model, ckpt_path="last") resumes from the last'
+                ' checkpoint), or use backend="native"',
             )
         self.amp.initialize(list(modules), list(optimizers), opt_level=self.opt_level, **self.options)
         _INITIALIZED.add(self.amp)
@@ -235,7 +238,18 @@ class ApexAmp(AmpBackend):
         self.initialize(selected, optimizers)
         # apex O2/O3 patch the forward of the modules they cast; Lightning calls training_step, not the
         # LightningModule's forward, so when the module itself is selected the batch is cast here instead.
-        self._cast_batch = selected == [model] and self.opt_level in ("O2", "O3")
+        cast = selected == [model] and self.opt_level in ("O2", "O3")
+        self._batch_cast_for = weakref.ref(model) if cast else None
+        self._cast_batch = cast
+
+    @override
+    def evaluate(self, model: Module) -> None:
+        """The model amp.initialize cast keeps its input casts; another model (none, in a fresh process) runs as built.
+
+        O1's patches of torch stay for the rest of the process, as in apex: every model evaluated after an O1 fit runs
+        under them, as the recipe's evaluation did.
+        """
+        self._cast_batch = self._batch_cast_for is not None and self._batch_cast_for() is model
 
     @override
     def convert_input(self, data: Any) -> Any:

@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
@@ -170,8 +171,10 @@ class AmpPrecision(Precision):
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
-        if not optimizers:
-            # Evaluation only: apex is initialized for training; the model runs as the last fit left it.
+        if not optimizers or _trainer_fn(model) not in (None, TrainerFn.FITTING):
+            # Evaluation (Lightning still passes the last fit's optimizers): amp.initialize is for training. The model
+            # runs as the last fit in this process left it, as the recipe evaluated its amp-initialized model.
+            self.amp_backend.evaluate(model)
             return model, optimizers, lr_schedulers
         self.amp_backend.connect(model, self.amp_modules, optimizers)
         self._optimizers = list(optimizers)
@@ -521,6 +524,15 @@ def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any
     except ApexUnavailableError as error:
         raise ApexUnavailableError("precision", precision, error.problem, error.fix) from None
     return None, [*given, plugin]
+
+
+def _trainer_fn(model: Module) -> TrainerFn | None:
+    """What the model's Trainer was asked to run (fit, validate, test, predict); None without a Trainer."""
+    try:
+        trainer = model.trainer if isinstance(model, LightningModule) else None
+    except RuntimeError:  # a LightningModule not attached to a Trainer
+        return None
+    return None if trainer is None else trainer.state.fn
 
 
 def _device_type(accelerator: Accelerator) -> str:

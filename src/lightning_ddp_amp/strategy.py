@@ -686,7 +686,9 @@ class EnvDDPStrategy(DDPStrategy):
 
         Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
         divide two such averages (sum of values / number of samples), so with the uneven shards of
-        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float.
+        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
+        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
+        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
         """
         if (
             isinstance(tensor, Tensor)
@@ -695,9 +697,9 @@ class EnvDDPStrategy(DDPStrategy):
             and reduce_op.lower() in ("mean", "avg")
             and dist.is_initialized()
         ):
-            total = tensor.to(torch.float64)
+            total = tensor.clone()  # summed exactly, as integers; Lightning's own reduce works in place
             dist.all_reduce(total, op=ReduceOp.SUM, group=group)
-            return total / dist.get_world_size(group)
+            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
         return super().reduce(tensor, group, reduce_op)
 
     def _check_comm_hook(self, backend: str) -> None:
