@@ -5,7 +5,8 @@ the classic recipe in plain torch (workers/train_apex_recipe.py, workers/train_n
 holds an affine BatchNorm, which apex O2 keeps fp32: its gradients are the ones only ``optimizer.zero_grad()`` clears
 (both workers fail under O2 if apex found no such fp32 parameter). A pair must end in
 the same state (weights, fp32 master weights, loss scale, skipped steps), and must have really computed in half
-precision: the dtypes it saw say so, and its weights are not the fp32 run's. The apex runs also show the recipe's
+precision: the dtypes it saw say so, and its weights are not the fp32 run's. After training, both evaluate in the same
+process (``trainer.validate`` / ``test`` / ``predict``, and the recipe's own loop) and must predict the same. The apex runs also show the recipe's
 order of calls, from the apex double's event log.
 """
 
@@ -28,6 +29,7 @@ SAME = 1e-6
 #: Half precision rounds every step: a run that did not compute in it would end this close to the fp32 run.
 NOT_FP32 = 1e-4
 STEPS = 16  # 2 epochs of 64 samples, 2 ranks, 4 samples per rank per step
+VAL_SIZE = 37  # workers/common.py's validation set
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,17 @@ def test_envddp_ends_in_the_references_state(pair: Pair) -> None:
     found = differences(pair.envddp.state, pair.reference)
     assert max(found.values()) <= SAME, found
     assert pair.envddp.state["skipped"] == pair.reference["skipped"]
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluation_after_fit_predicts_what_the_recipes_evaluation_loop_does(pair: Pair, stage: str) -> None:
+    mine, theirs = pair.envddp.state["evaluated"][stage], pair.reference["evaluated"]
+    assert mine.shape == theirs.shape == (VAL_SIZE, 1)
+    assert (mine - theirs).abs().max().item() <= SAME
+
+
+def test_evaluation_after_fit_runs_in_half_precision(pair: Pair, fp32: Run) -> None:
+    assert (pair.envddp.state["evaluated"]["test"] - fp32.state["evaluated"]["test"]).abs().max().item() > NOT_FP32
 
 
 def test_both_runs_compute_in_half_precision(pair: Pair) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import LR, SEED, train_set
+from common import LR, SEED, VAL_BATCH, gather_predictions, train_set, val_set
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -70,6 +70,7 @@ class TwoModels(L.LightningModule):
         self.skipped = 0
         self.at_start: dict[str, Any] = {}
         self.wrapper = ""
+        self.evaluated: dict[str, dict[int, torch.Tensor]] = {}
 
     def configure_amp_models(self) -> list[torch.nn.Module]:
         return [self.model_a, self.model_b]
@@ -82,6 +83,21 @@ class TwoModels(L.LightningModule):
         if self.global_step == args.overflow_at_step:
             loss = loss * float("inf")
         return loss
+
+    def evaluation_step(self, stage: str, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, index = batch
+        output = self.model_b(self.model_a(x)).float()
+        self.evaluated.setdefault(stage, {}).update(zip(index.tolist(), output.detach().cpu(), strict=True))
+        return output, torch.nn.functional.mse_loss(output, y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.evaluation_step("validate", batch)[1], sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.evaluation_step("test", batch)[1], sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.evaluation_step("predict", batch)[0]
 
     def on_train_start(self) -> None:
         # Runs after Lightning restored the checkpoint (precision state included), before any step.
@@ -124,6 +140,13 @@ trainer = L.Trainer(
 model = TwoModels()
 trainer.fit(model, DataLoader(train_set(), batch_size=4, shuffle=True), ckpt_path=args.resume)
 
+# Evaluation after fit, in this process, on the model as it trained: what the recipe's evaluation loop computes.
+val_loader = DataLoader(val_set(), batch_size=VAL_BATCH)
+trainer.validate(model, val_loader, verbose=False)
+trainer.test(model, val_loader, verbose=False)
+trainer.predict(model, val_loader, return_predictions=False)
+evaluated = {stage: gather_predictions(predictions) for stage, predictions in sorted(model.evaluated.items())}
+
 plugin = trainer.precision_plugin
 if isinstance(plugin, AmpPrecision) and plugin.backend == "apex" and plugin.opt_level == "O2":
     # Without fp32 model parameters, apex O2's zero_grad would change nothing that the next backward does not reset.
@@ -159,6 +182,7 @@ if trainer.is_global_zero:
         "skipped": model.skipped,
         "param_dtype": model.param_dtype,
         "hidden_dtypes": sorted(model.hidden_dtypes),
+        "evaluated": evaluated,
     }
     if isinstance(plugin, AmpPrecision) and plugin.backend == "apex":
         from apex import amp

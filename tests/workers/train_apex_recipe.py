@@ -2,7 +2,8 @@
 
 Plain torch and apex's public API, no Lightning: amp.initialize on both sub-models and the optimizer, then one DDP
 per sub-model, backward inside amp.scale_loss, and the LR schedule held on a step the loss scaler skipped. The
-model, data, loss and schedule are train_amp.py's; under O2 every rank checks, as train_amp.py does, that apex steps
+model, data, loss and schedule are train_amp.py's, and so is the evaluation after training (rank 0's model on every
+rank, the validation set sharded); under O2 every rank checks, as train_amp.py does, that apex steps
 fp32 model parameters (model_a's BatchNorm), and no rank saves if one found none.
 
 Run under torchrun; rank 0 saves OUT/reference.pt (written atomically: if it exists, it is complete).
@@ -14,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 from apex import amp
-from common import LR, SEED, save_complete, train_set
+from common import LR, SEED, evaluate_by_hand, save_complete, train_set
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -96,6 +97,9 @@ if args.opt_level == "O2":
     if not all(counts):
         raise SystemExit(f"rank {rank}: apex O2's fp32 model parameters per rank: {counts}")
 
+# The recipe evaluates the amp-initialized sub-models as they trained (O2/O3: fp16, their forward casting).
+evaluated = evaluate_by_hand([model_a.module, model_b.module], lambda x: model_b.module(model_a.module(x)), device)
+
 if rank == 0:
     model = {f"model_a.{k}": v for k, v in model_a.module.state_dict().items()}
     model.update({f"model_b.{k}": v for k, v in model_b.module.state_dict().items()})
@@ -106,6 +110,7 @@ if rank == 0:
         "skipped": skipped,
         "param_dtype": str(next(model_a.module.parameters()).dtype),
         "hidden_dtypes": sorted(hidden_dtypes),
+        "evaluated": evaluated,
     }
     path = os.path.join(args.out, "reference.pt")
     save_complete(reference, path)

@@ -12,7 +12,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import LR, SEED, save_complete, train_set
+from common import LR, SEED, evaluate_by_hand, save_complete, train_set
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -81,6 +81,13 @@ for epoch in range(args.epochs):
                 scheduler.step()
         step += 1
 
+evaluated = evaluate_by_hand(
+    [model_a.module, model_b.module],
+    lambda x: model_b.module(model_a.module(x)),
+    device,
+    lambda: torch.autocast(device.type, dtype=dtype),
+)
+
 if rank == 0:
     model = {f"model_a.{k}": v for k, v in model_a.module.state_dict().items()}
     model.update({f"model_b.{k}": v for k, v in model_b.module.state_dict().items()})
@@ -90,6 +97,7 @@ if rank == 0:
         "skipped": skipped,
         "param_dtype": str(next(model_a.module.parameters()).dtype),
         "hidden_dtypes": sorted(hidden_dtypes),
+        "evaluated": evaluated,
     }
     path = os.path.join(args.out, "reference.pt")
     save_complete(reference, path)
