@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -25,7 +27,7 @@ from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigura
 from lightning_ddp_amp._namespaces import namespaced_modules
 from lightning_ddp_amp.data import _position_of, check_resumed_positions, shard_dataloader
 from lightning_ddp_amp.preemption import PREEMPTION
-from lightning_ddp_amp.resume import ResumePoint, checkpoint_dirs, newest_checkpoint
+from lightning_ddp_amp.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))
 
@@ -118,6 +120,83 @@ def test_newest_checkpoint_goes_by_write_time_and_skips_other_files(tmp_path: Pa
     (tmp_path / ".tmp-half-written").write_bytes(b"")
     assert newest_checkpoint([tmp_path, tmp_path / "missing"]) == newer
     assert newest_checkpoint([tmp_path / "missing"]) is None
+
+
+# --- writing a checkpoint: its mode, and what reaches the disk before and after the rename --------------------------
+
+CHECKPOINT = {"state_dict": {"w": torch.arange(4.0)}, "loops": {}, "global_step": 3}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=oct)
+def test_a_checkpoint_gets_the_mode_lightnings_writer_gives_it_0666_less_the_umask(tmp_path: Path, umask: int) -> None:
+    # 0644 under 022: an evaluation job or a teammate can read it (a temporary file of tempfile's is 0600); 077 keeps
+    # it private, as the user's umask asks.
+    before = os.umask(umask)
+    try:
+        AtomicCheckpointIO().save_checkpoint(CHECKPOINT, tmp_path / "step=3.ckpt")
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((tmp_path / "step=3.ckpt").stat().st_mode) == 0o666 & ~umask
+
+
+def save_recording_disk_writes(monkeypatch: pytest.MonkeyPatch, target: Path) -> list[tuple[Any, ...]]:
+    """Save a checkpoint to ``target``, recording in order each rename and each fsync: of which inode, and how many
+    bytes it held then (None for a directory)."""
+    events: list[tuple[Any, ...]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd: int) -> None:
+        info = os.fstat(fd)
+        events.append(("fsync", info.st_ino, info.st_size if stat.S_ISREG(info.st_mode) else None))
+        fsync(fd)
+
+    def recording_replace(source: Any, destination: Any) -> None:
+        events.append(("replace", str(destination)))
+        replace(source, destination)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fsync", recording_fsync)
+        patched.setattr(os, "replace", recording_replace)
+        AtomicCheckpointIO().save_checkpoint(CHECKPOINT, target)
+    return events
+
+
+def test_the_whole_checkpoint_reaches_the_disk_before_it_is_renamed_into_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Otherwise a power loss after the rename can leave an empty or partial file under the checkpoint's name.
+    target = tmp_path / "step=3.ckpt"
+    events = save_recording_disk_writes(monkeypatch, target)
+    written = target.stat()  # the rename keeps the inode
+    assert events.index(("fsync", written.st_ino, written.st_size)) < events.index(("replace", str(target)))
+    assert sorted(os.listdir(tmp_path)) == ["step=3.ckpt"]
+
+
+def test_the_rename_is_made_durable_by_flushing_the_directory_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # POSIX keeps a rename in the directory's entries: until the directory reaches the disk, a power loss can bring
+    # back the previous checkpoint, or none.
+    target = tmp_path / "step=3.ckpt"
+    events = save_recording_disk_writes(monkeypatch, target)
+    assert events.index(("fsync", tmp_path.stat().st_ino, None)) > events.index(("replace", str(target)))
+
+
+def test_where_a_directory_cannot_be_opened_the_checkpoint_is_written_without_flushing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on Windows, which opens no directory: the rename is then as durable as the platform makes it.
+    open_file = os.open
+
+    def files_only(path: Any, flags: int, *args: Any) -> int:
+        if Path(path).is_dir():
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return open_file(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", files_only)
+    AtomicCheckpointIO().save_checkpoint(CHECKPOINT, tmp_path / "step=3.ckpt")
+    assert torch.load(tmp_path / "step=3.ckpt")["global_step"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["step=3.ckpt"]
 
 
 # --- the position of the training DataLoader, and the layout it counts in ------------------------------------
