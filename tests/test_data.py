@@ -174,6 +174,52 @@ def test_split_batches_applies_to_iterable_datasets() -> None:
     assert [len(batch) for batch in sharded] == [2, 2]
 
 
+def global_batches(loader: DataLoader, world: int, epoch: int) -> list[list[int]]:
+    """The samples of each step over all ``world`` ranks under ``split_batches``, in the order of the epoch's
+    permutation (rank r reads its j-th sample from position j * world + r)."""
+    per_rank = []
+    for rank in range(world):
+        sharded = shard_dataloader(loader, stage=TRAIN, num_replicas=world, rank=rank, seed=0, split_batches=True)
+        assert isinstance(sharded, DataLoader)
+        sharded.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        per_rank.append([batch.tolist() for (batch,) in sharded])
+    return [[i for row in zip(*step, strict=True) for i in row] for step in zip(*per_rank, strict=True)]
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_split_batches_in_one_process_draws_the_global_batches_of_every_world_size(epoch: int) -> None:
+    # The sampler the ranks get, with one replica: a job moved between 1 and W processes (or resumed on another
+    # number) trains the same global batches in every epoch, not the DataLoader's own RandomSampler's.
+    loader = DataLoader(TensorDataset(torch.arange(12)), batch_size=6, shuffle=True)
+    alone = global_batches(loader, 1, epoch)
+    assert alone == global_batches(loader, 2, epoch) == global_batches(loader, 3, epoch)
+    recipe = DistributedSampler(range(12), num_replicas=1, rank=0, shuffle=True, seed=0)
+    recipe.set_epoch(epoch)
+    assert [i for batch in alone for i in batch] == list(recipe)
+
+
+def test_split_batches_in_one_process_keeps_a_batch_sampler_of_the_script() -> None:
+    # Several ranks refuse it (no global batch to split); one process has nothing to split.
+    loader = DataLoader(DATASET, batch_sampler=Pairs(EvenFirst(), batch_size=2, drop_last=False))
+    alone = shard_dataloader(loader, stage=TRAIN, num_replicas=1, rank=0, seed=0, split_batches=True)
+    assert [batch.tolist() for (batch,) in alone] == [[0, 2], [4, 6], [8, 1], [3, 5], [7, 9]]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("stage", [TRAIN, VAL])
+def test_without_split_batches_one_process_keeps_the_scripts_loader(shuffle: bool, stage: RunningStage) -> None:
+    # The plain script: its DataLoader, its sampler (and, shuffled, its draws from the global generator).
+    loader = DataLoader(DATASET, batch_size=4, shuffle=shuffle)
+    sampler = loader.sampler
+    assert shard_dataloader(loader, stage=stage, num_replicas=1, rank=0, seed=0) is loader
+    assert loader.sampler is sampler
+
+
+def test_split_batches_in_one_process_leaves_evaluation_loaders_alone() -> None:
+    loader = DataLoader(DATASET, batch_size=4, shuffle=True)
+    assert shard_dataloader(loader, stage=VAL, num_replicas=1, rank=0, seed=0, split_batches=True) is loader
+
+
 def test_without_sharding_or_splitting_the_loader_is_untouched() -> None:
     loader = DataLoader(DATASET, batch_size=4)
     assert shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0, shard=False) is loader

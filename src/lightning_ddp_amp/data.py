@@ -19,8 +19,8 @@ checkpoint records the epoch, how many of its samples were trained, the order th
 on any number of ranks (an elastic resume):
 
 * the order of an epoch does not depend on the world size (``DistributedSampler``'s permutation of seed + epoch, or
-  in one process the ``RandomSampler``'s own order, whose generator state the checkpoint records), and ``b``
-  batches at world size ``W`` trained exactly its first ``b * global batch`` samples;
+  in one process without ``split_batches`` the ``RandomSampler``'s own order, whose generator state the checkpoint
+  records), and ``b`` batches at world size ``W`` trained exactly its first ``b * global batch`` samples;
 * the rest of the epoch, ``order[trained:]``, is padded to a multiple of the new world size with the epoch's first
   samples, as ``DistributedSampler`` pads, and rank ``r`` takes every ``W'``-th sample from ``r`` on. So with
   ``split_batches`` the global batches that follow are those of the uninterrupted run; without it each rank keeps
@@ -29,8 +29,10 @@ on any number of ranks (an elastic resume):
   new world size ends it (:func:`align_resumed_epoch`): ``batch_idx``, validation and gradient accumulation count
   in the new world size's batches, at the indices of that run's last batches.
 
-A one-process run keeps its DataLoader (its ``RandomSampler`` yields what it always did; it only notes the state
-each pass starts from). A fit that continues a mid-epoch position in another data set, seed or order, or with
+Without ``split_batches`` a one-process run keeps its DataLoader, as the plain script did (its ``RandomSampler``
+yields what it always did; it only notes the state each pass starts from). With ``split_batches``, which promises
+the same global batches at every world size, one process reads from the sampler the ranks get, with one replica:
+a job moved between 1 and W processes, or resumed on another number, trains the same order in every epoch. A fit that continues a mid-epoch position in another data set, seed or order, or with
 ``split_batches`` another global batch, or without the position a DataLoader needs, stops before its first batch
 with a ``CheckpointError``; a checkpoint saved at the end of an epoch resumes under any layout.
 """
@@ -79,7 +81,9 @@ def shard_dataloader(
     In one process (``num_replicas=1``) the DataLoader is returned as it is: nothing to shard or split. A training
     DataLoader with ``progress`` still records its position, order and layout in checkpoints; one with a sampler of
     the script's own that continues an epoch is rebuilt with one replica of the sharding wrapper, which yields the
-    sampler's order unchanged but can leave out what the epoch already trained.
+    sampler's order unchanged but can leave out what the epoch already trained. Under ``split_batches`` a training
+    ``RandomSampler`` or ``SequentialSampler`` is replaced by one replica of the ranks' ``DistributedSampler``, so
+    that one process trains the global batches of every world size.
 
     Args:
         dataloader: What the LightningModule or DataModule returned.
@@ -107,18 +111,25 @@ def shard_dataloader(
         # Nothing to shard or split. The training DataLoader still records its position and layout: a checkpoint
         # then holds a position for the same DataLoaders at every world size, as Lightning needs to hand them back.
         training = stage == RunningStage.TRAINING and shard and _shardable(source)
-        if not training or progress is None or _resumable_of_its_own(dataloader):
+        if not training or _resumable_of_its_own(dataloader):
             return dataloader
         assert _shardable(source)
-        keeper = _keep_order(source)
-        if keeper is not None or resuming is None or not resuming.mid_epoch:
-            layout = DataLayout.of(dataloader, source, num_replicas=1, seed=seed, split_batches=split_batches)
-            _Position(dataloader, layout, progress, keeper, resuming).attach()
-            return dataloader
+        # split_batches promises the same global batches at every world size: one replica of the ranks' sampler.
+        # (A sampler of the script's own already yields the same order at every world size.)
+        if not (split_batches and isinstance(source, (RandomSampler, SequentialSampler))):
+            if progress is None:
+                return dataloader
+            keeper = _keep_order(source)
+            if keeper is not None or resuming is None or not resuming.mid_epoch:
+                layout = DataLayout.of(dataloader, source, num_replicas=1, seed=seed, split_batches=split_batches)
+                _Position(dataloader, layout, progress, keeper, resuming).attach()
+                return dataloader
     unrepeated = exact_eval and stage != RunningStage.TRAINING
     if unrepeated:
         _check_exact_eval(dataloader, source, num_replicas)
-    batch_size = _per_rank_batch_size(dataloader, num_replicas, resuming) if split_batches else None
+    # One process has nothing to split: its batch sampler, even one of the script's own, stays as it is.
+    split = split_batches and num_replicas > 1
+    batch_size = _per_rank_batch_size(dataloader, num_replicas, resuming) if split else None
     sampler: Sampler[Any] | Iterable[Any] | None = None
     if shard and _shardable(source):
         sampler = _distributed_sampler(dataloader, source, unrepeated, num_replicas=num_replicas, rank=rank, seed=seed)

@@ -20,8 +20,8 @@ checkpoint records the epoch, how many of its samples were trained, the order th
 on any number of ranks (an elastic resume):
 
 * the order of an epoch does not depend on the world size (``DistributedSampler``'s permutation of seed + epoch, or
-  in one process the ``RandomSampler``'s own order, whose generator state the checkpoint records), and ``b``
-  batches at world size ``W`` trained exactly its first ``b * global batch`` samples;
+  in one process without ``split_batches`` the ``RandomSampler``'s own order, whose generator state the checkpoint
+  records), and ``b`` batches at world size ``W`` trained exactly its first ``b * global batch`` samples;
 * the rest of the epoch, ``order[trained:]``, is padded to a multiple of the new world size with the epoch's first
   samples, as ``DistributedSampler`` pads, and rank ``r`` takes every ``W'``-th sample from ``r`` on. So with
   ``split_batches`` the global batches that follow are those of the uninterrupted run; without it each rank keeps
@@ -30,8 +30,10 @@ on any number of ranks (an elastic resume):
   new world size ends it (:func:`align_resumed_epoch`): ``batch_idx``, validation and gradient accumulation count
   in the new world size's batches, at the indices of that run's last batches.
 
-A one-process run keeps its DataLoader (its ``RandomSampler`` yields what it always did; it only notes the state
-each pass starts from). A fit that continues a mid-epoch position in another data set, seed or order, or with
+Without ``split_batches`` a one-process run keeps its DataLoader, as the plain script did (its ``RandomSampler``
+yields what it always did; it only notes the state each pass starts from). With ``split_batches``, which promises
+the same global batches at every world size, one process reads from the sampler the ranks get, with one replica:
+a job moved between 1 and W processes, or resumed on another number, trains the same order in every epoch. A fit that continues a mid-epoch position in another data set, seed or order, or with
 ``split_batches`` another global batch, or without the position a DataLoader needs, stops before its first batch
 with a ``CheckpointError``; a checkpoint saved at the end of an epoch resumes under any layout.
 """
@@ -80,7 +82,9 @@ def shard_dataloader(
     In one process (``num_replicas=1``) the DataLoader is returned as it is: nothing to shard or split. A training
     DataLoader with ``progress`` still records its position, order and layout in checkpoints; one with a sampler of
     the script's own that continues an epoch is rebuilt with one replica of the sharding wrapper, which yields the
-    sampler's order unchanged but can leave out what the epoch already trained.
+    sampler's order unchanged but can leave out what the epoch already trained. Under ``split_batches`` a training
+    ``RandomSampler`` or ``SequentialSampler`` is replaced by one replica of the ranks' ``DistributedSampler``, so
+    that one process trains the global batches of every world size.
 
     Args:
         dataloader: What the LightningModule or DataModule returned.

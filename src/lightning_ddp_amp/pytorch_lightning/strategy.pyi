@@ -128,7 +128,8 @@ class EnvDDPStrategy(DDPStrategy):
             the newest checkpoint of the ``ModelCheckpoint`` directory, and SIGTERM saves one before exiting.
         ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
             (``apex.parallel.DistributedDataParallel``, as apex-era scripts used; ``**ddp_kwargs`` then go to it).
-        split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks.
+        split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks; one
+            process trains the same global batches as several (see :mod:`lightning_ddp_amp.pytorch_lightning.data`).
         exact_eval: Shard validation and test sets without padding duplicates, so every sample is evaluated once
             and epoch-level metrics equal a single-process run. Log eval metrics per epoch (Lightning's default
             for validation) when this is on: ranks may run one batch more or less than each other.
