@@ -270,6 +270,30 @@ def test_o1_refuses_what_apex_refuses(apex_double: ModuleType, call: str, words:
         calls[call]()
 
 
+@pytest.mark.parametrize("call", ["F.binary_cross_entropy", "nn.BCELoss", "an fp16 target"])
+def test_o1_binary_cross_entropy_refuses_fp16_with_apexs_message(apex_double: ModuleType, call: str) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    half, single = torch.full((2,), 0.5, dtype=torch.float16), torch.full((2,), 0.5)
+    calls = {
+        "F.binary_cross_entropy": lambda: F.binary_cross_entropy(half, single),
+        "nn.BCELoss": lambda: torch.nn.BCELoss()(half, single),
+        "an fp16 target": lambda: F.binary_cross_entropy(single, half),
+    }
+    with pytest.raises(NotImplementedError) as refused:
+        calls[call]()
+    message = str(refused.value)
+    assert message.startswith("\namp does not work out-of-the-box with `F.binary_cross_entropy`")
+    assert message.endswith("disable this warning by passing allow_banned=True to `amp.init()`.")
+
+
+def test_o1_binary_cross_entropy_refuses_fp16_even_while_casts_are_disabled(apex_double: ModuleType) -> None:
+    # wrap.py err_if_any_half does not ask the handle whether casts are active.
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    half = torch.full((2,), 0.5, dtype=torch.float16)
+    with apex_double.disable_casts(), pytest.raises(NotImplementedError, match="binary_cross_entropy"):
+        F.binary_cross_entropy(half, half)
+
+
 # --- the loss scaler ---------------------------------------------------------------------------------------------
 
 

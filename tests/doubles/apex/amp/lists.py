@@ -60,14 +60,18 @@ FUNCTIONAL_FP32 = [
     "ctc_loss",
 ]
 
-#: An error when any argument is fp16 (apex's message, shortened: it suggests BCEWithLogitsLoss).
+#: An error when any argument is fp16, with apex's message (``BANNED_FUNCS``).
 FUNCTIONAL_BANNED = [
     (
         "binary_cross_entropy",
-        "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It requires that"
-        " the output of the previous function be already a FloatTensor. \n\nMost models have a Sigmoid right"
-        " before BCELoss. In that case, you can use\n    torch.nn.BCEWithLogitsLoss\nto combine Sigmoid+BCELoss"
-        " into a single layer that is compatible with amp.",
+        "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` "
+        "It requires that the output of the previous function be already a FloatTensor. \n\n"
+        "Most models have a Sigmoid right before BCELoss. In that case, you can use\n"
+        "    torch.nn.BCEWithLogitsLoss\nto combine Sigmoid+BCELoss into a single layer "
+        "that is compatible with amp.\nAnother option is to add\n"
+        "    amp.register_float_function(torch, 'sigmoid')\nbefore calling `amp.init()`.\n"
+        "If you _really_ know what you are doing, you can disable this warning by passing "
+        "allow_banned=True to `amp.init()`.",
     )
 ]
 
