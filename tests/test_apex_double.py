@@ -189,7 +189,7 @@ def test_o1_softmax_computes_in_fp32(apex_double: ModuleType) -> None:
 
 
 @needs_cpu_fp16
-@pytest.mark.parametrize("call", ["torch.add", "Tensor.__add__", "torch.cat"])
+@pytest.mark.parametrize("call", ["torch.add", "Tensor.__add__", "torch.cat", "torch.stack"])
 def test_o1_promotes_mixed_fp16_and_fp32_arguments_to_fp32(apex_double: ModuleType, call: str) -> None:
     initialize(apex_double, *model_and_optimizer(), opt_level="O1")
     half, single = torch.ones(2, dtype=torch.float16), torch.ones(2)
@@ -197,6 +197,7 @@ def test_o1_promotes_mixed_fp16_and_fp32_arguments_to_fp32(apex_double: ModuleTy
         "torch.add": lambda: torch.add(half, single),
         "Tensor.__add__": lambda: half + single,
         "torch.cat": lambda: torch.cat([half, single]),
+        "torch.stack": lambda: torch.stack([half, single]),
     }[call]()
     assert promoted.dtype == torch.float32
 
@@ -268,6 +269,146 @@ def test_o1_refuses_what_apex_refuses(apex_double: ModuleType, call: str, words:
     }
     with pytest.raises(NotImplementedError, match=words):
         calls[call]()
+
+
+def promote_error(first: str, second: str) -> str:
+    """apex's whole promote message, for a set of two type strings in either order."""
+    pair = f"('{first}', '{second}'|'{second}', '{first}')"
+    return rf"^Do not know how to handle these types to promote: \{{{pair}\}}$"
+
+
+@pytest.mark.parametrize(
+    "call", ["/", "Tensor.__div__", "Tensor.__rtruediv__", "torch.div", "+", "-", "*", "+=", "<", "=="]
+)
+def test_o1_refuses_fp32_mixed_with_fp64_as_apexs_promote_does(apex_double: ModuleType, call: str) -> None:
+    # Lightning's epoch mean, value / cumulated_batch_size, meets this when the count is a float64 tensor.
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    single, double = torch.ones(2), torch.tensor(2.0, dtype=torch.float64)
+    calls = {
+        "/": lambda: single / double,
+        "Tensor.__div__": lambda: single.__div__(double),
+        "Tensor.__rtruediv__": lambda: single.__rtruediv__(double),
+        "torch.div": lambda: torch.div(single, double),
+        "+": lambda: single + double,
+        "-": lambda: double - single,
+        "*": lambda: single * double,
+        "+=": lambda: single.__iadd__(double),
+        "<": lambda: single < double,
+        "==": lambda: single == double,
+    }
+    with pytest.raises(NotImplementedError, match=promote_error("FloatTensor", "DoubleTensor")):
+        calls[call]()
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "types"),
+    [
+        ((torch.float16, torch.float64), ("HalfTensor", "DoubleTensor")),
+        ((torch.bfloat16, torch.float32), ("BFloat16Tensor", "FloatTensor")),
+        ((torch.bfloat16, torch.float16), ("BFloat16Tensor", "HalfTensor")),
+    ],
+)
+def test_o1_refuses_every_floating_mix_but_fp16_with_fp32(
+    apex_double: ModuleType, dtypes: tuple[torch.dtype, torch.dtype], types: tuple[str, str]
+) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    with pytest.raises(NotImplementedError, match=promote_error(*types)):
+        torch.ones(2, dtype=dtypes[0]) + torch.ones(2, dtype=dtypes[1])
+
+
+@pytest.mark.parametrize(
+    ("call", "dtype"),
+    [
+        ("long / 2", torch.float32),
+        ("long / long", torch.float32),
+        ("float / long", torch.float32),
+        ("double / long", torch.float64),
+        ("float < long", torch.bool),
+        pytest.param("half / long", torch.float16, marks=needs_cpu_fp16),
+    ],
+)
+def test_o1_leaves_integer_tensors_out_of_promotion(apex_double: ModuleType, call: str, dtype: torch.dtype) -> None:
+    # utils.py collect_fp_tensor_types collects floating tensors only: one floating type passes to torch.
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    long = torch.tensor([3, 4])
+    calls = {
+        "long / 2": lambda: long / 2,
+        "long / long": lambda: long / long,
+        "float / long": lambda: torch.ones(2) / long,
+        "double / long": lambda: torch.ones(2, dtype=torch.float64) / long,
+        "float < long": lambda: torch.ones(2) < long,
+        "half / long": lambda: torch.ones(2, dtype=torch.float16) / long,
+    }
+    assert calls[call]().dtype == dtype
+
+
+@pytest.mark.parametrize("fn", ["cat", "stack"])
+def test_o1_cat_and_stack_pass_other_floating_mixes_to_torch(apex_double: ModuleType, fn: str) -> None:
+    # wrap.py sequence_promote promotes fp16 with fp32 only and, unlike promote, passes any other mix through.
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert getattr(torch, fn)([torch.ones(2), torch.ones(2, dtype=torch.float64)]).dtype == torch.float64
+
+
+def test_o1_promotion_is_off_while_casts_are_disabled(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    with apex_double.disable_casts():
+        assert (torch.ones(2) / torch.ones(2, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_o1_in_place_methods_cast_to_their_tensor_where_in_place_operators_promote(apex_double: ModuleType) -> None:
+    # add_ is wrapped by promote_match_arg0 (its argument becomes fp32); += (__iadd__) is on the CASTS list.
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    single, double = torch.ones(2), torch.tensor(2.0, dtype=torch.float64)
+    assert single.add_(double).tolist() == [3.0, 3.0]
+    with pytest.raises(NotImplementedError, match=promote_error("FloatTensor", "DoubleTensor")):
+        single += double
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    "call",
+    [
+        "F.mse_loss",
+        "F.cross_entropy",
+        "F.log_softmax",
+        "F.layer_norm",
+        "F.gelu",
+        "Tensor.sum",
+        "Tensor.cpu",
+        "**",
+        "number / Tensor",
+    ],
+)
+def test_o1_fp32_list_functions_compute_in_fp32(apex_double: ModuleType, call: str) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    half = torch.full((2, 3), 0.5, dtype=torch.float16)
+    calls = {
+        "F.mse_loss": lambda: F.mse_loss(half, half),
+        "F.cross_entropy": lambda: F.cross_entropy(half, torch.tensor([0, 2])),
+        "F.log_softmax": lambda: F.log_softmax(half, dim=1),
+        "F.layer_norm": lambda: torch.nn.LayerNorm(3)(half),
+        "F.gelu": lambda: torch.nn.GELU()(half),
+        "Tensor.sum": lambda: half.sum(),
+        "Tensor.cpu": lambda: half.cpu(),
+        "**": lambda: half**2,
+        "number / Tensor": lambda: 1 / half,  # torch's Tensor.__rdiv__ calls reciprocal, on the fp32 list
+    }
+    assert calls[call]().dtype == torch.float32
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("call", ["F.batch_norm", "F.dropout", "F.relu", "torch.sigmoid", "Tensor.mean"])
+def test_o1_leaves_functions_off_its_lists_to_torch(apex_double: ModuleType, call: str) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    half = torch.full((4, 3), 0.5, dtype=torch.float16)
+    calls = {
+        "F.batch_norm": lambda: torch.nn.BatchNorm1d(3)(half),  # fp32 weights and running stats, as apex leaves them
+        "F.dropout": lambda: F.dropout(half, 0.5),
+        "F.relu": lambda: F.relu(half),
+        "torch.sigmoid": lambda: torch.sigmoid(half),
+        "Tensor.mean": lambda: half.mean(),
+    }
+    assert calls[call]().dtype == torch.float16
 
 
 @pytest.mark.parametrize("call", ["F.binary_cross_entropy", "nn.BCELoss", "an fp16 target"])

@@ -148,7 +148,9 @@ def cached_cast_function(mod: Any, fn: str, cast_fn: CastFn, handle: Any, try_ca
 
 
 def make_promote_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn) -> Any:
-    """wrap.py ``make_promote_wrapper``: one floating type passes, fp16 with fp32 goes fp32, others raise."""
+    """wrap.py ``make_promote_wrapper``: one floating type passes, fp16 with fp32 goes fp32, any other mix of
+    floating types (fp32 with fp64, fp16 with fp64, bf16 with fp32) raises. Integer tensors and numbers are not
+    collected, so ``long / 2`` and ``float / long`` pass to torch."""
 
     @functools.wraps(orig_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -170,7 +172,8 @@ def promote(mod: Any, fn: str, handle: Any) -> None:
 
 
 def sequence_promote(mod: Any, fn: str, handle: Any) -> None:
-    """wrap.py ``sequence_promote``: the same for a sequence argument (``torch.cat``, ``torch.stack``)."""
+    """wrap.py ``sequence_promote``: fp16 with fp32 in a sequence (``torch.cat``, ``torch.stack``) goes fp32;
+    unlike :func:`promote`, any other mix passes to torch unchanged (fp32 with fp64 gives fp64)."""
     orig_fn = getattr(mod, fn)
 
     @functools.wraps(orig_fn)
