@@ -435,6 +435,54 @@ def test_o1_binary_cross_entropy_refuses_fp16_even_while_casts_are_disabled(apex
         F.binary_cross_entropy(half, half)
 
 
+@needs_cpu_fp16
+def test_o1_without_gradients_weight_casts_are_cached_and_reused(apex_double: ModuleType) -> None:
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    cache = apex_double._amp_state.handle.cache
+    with torch.no_grad():
+        model(batch()[0])
+        first = dict(cache)
+        model(batch()[0])
+    linears = [model[0].weight, model[0].bias, model[2].weight, model[2].bias]
+    assert set(first) == set(linears)
+    assert all(cache[weight] is first[weight] and cache[weight].dtype == torch.float16 for weight in linears)
+
+
+@needs_cpu_fp16
+def test_o1_a_weight_cast_cached_without_gradients_is_redone_with_gradients(apex_double: ModuleType) -> None:
+    # Validation casts without gradients; the next training forward must not reuse them (it could not backpropagate).
+    model, _ = initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    with torch.no_grad():
+        model(batch()[0])
+    model(batch()[0])
+    assert apex_double._amp_state.handle.cache[model[0].weight].requires_grad
+
+
+@needs_cpu_fp16
+def test_o1_caches_the_casts_of_fp32_parameters_only(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    F.linear(torch.ones(2, 3), torch.ones(4, 3), torch.ones(4))
+    assert apex_double._amp_state.handle.cache == {}
+
+
+@needs_cpu_fp16
+def test_o1_transformer_encoder_layer_eval_fast_path_fails_on_fp16_activations_as_in_apex(
+    apex_double: ModuleType,
+) -> None:
+    # apex patches F.linear (its fp16 output feeds the layer) but not torch._transformer_encoder_layer_fwd, the
+    # layer's fast path without gradients, which then multiplies fp16 activations by fp32 weights.
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, activation="gelu", batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), layer)
+    model, _ = initialize(apex_double, model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1")
+    model.eval()
+    with (
+        torch.no_grad(),
+        pytest.raises(RuntimeError, match=r"expected (m1 and m2|mat1 and mat2) to have the same dtype"),
+    ):
+        model(torch.randn(2, 5, 4))
+
+
 # --- the loss scaler ---------------------------------------------------------------------------------------------
 
 
