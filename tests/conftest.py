@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -93,14 +95,17 @@ def apex_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The apex test double as ``apex``, freshly imported, returned as ``apex.amp``.
 
     Like apex, the double's O1 patches torch for the rest of the process; at teardown its test-only
-    ``unpatch_torch_for_tests()`` puts torch back (every copy's patches, if the test imported the double again).
+    ``unpatch_torch_for_tests()`` puts torch back (every copy's patches, if the test imported the double again), and
+    torch's attention fast path is set back as it was.
     """
     _forget_apex(monkeypatch)
     monkeypatch.syspath_prepend(str(DOUBLES))
+    fast_path = torch.backends.mha.get_fastpath_enabled()  # AmpPrecision turns it off under apex O1
     import apex.amp
 
     yield apex.amp
     apex.amp.unpatch_torch_for_tests()
+    torch.backends.mha.set_fastpath_enabled(fast_path)
     _forget_apex(monkeypatch)
 
 
@@ -275,3 +280,69 @@ def drop_loader_positions(checkpoint: Path) -> None:
     saved = torch.load(checkpoint, weights_only=False)
     del saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     torch.save(saved, checkpoint)
+
+
+@dataclass
+class Ranks:
+    """What one run of :class:`Preloaded` left: each rank's exit status and output."""
+
+    returncodes: list[int]
+    logs: list[str]
+
+    def check(self) -> Ranks:
+        assert self.returncodes == [0] * len(self.returncodes), "\n".join(
+            f"--- rank {rank} exited {code}:\n{log[-4000:]}"
+            for rank, (code, log) in enumerate(zip(self.returncodes, self.logs, strict=True))
+        )
+        return self
+
+
+class Preloaded:
+    """Ranks forked from an interpreter that already imported torch, Lightning and this package
+    (workers/fork_server.py): for tests that need real ranks but not torchrun's agent. A run costs its training, not
+    the ~12 s of a torchrun launch. The apex test double is on the ranks' path; they import it only if they ask.
+    """
+
+    def __init__(self) -> None:
+        self.server = self._start()
+
+    @staticmethod
+    def _start() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, str(WORKERS / "fork_server.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=worker_env(apex_double=True),
+            start_new_session=True,
+        )
+
+    def run(self, script: str, *args: str, log: Path, nproc: int = 2, timeout: float = 180) -> Ranks:
+        """Run ``script *args`` on ``nproc`` ranks of one node; their output goes to ``log``/rank<N>.log."""
+        log.mkdir(parents=True, exist_ok=True)
+        request = {"script": str(WORKERS / script), "args": list(args), "nproc": nproc, "port": free_port()}
+        if self.server.poll() is not None:  # closed after an earlier run hung
+            self.server = self._start()
+        assert self.server.stdin is not None and self.server.stdout is not None
+        self.server.stdin.write(json.dumps({**request, "log": str(log)}) + "\n")
+        self.server.stdin.flush()
+        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
+        logs = [
+            (log / f"rank{rank}.log").read_text() if (log / f"rank{rank}.log").exists() else "" for rank in range(nproc)
+        ]
+        if not ready:
+            self.close()
+            pytest.fail(f"{script} {' '.join(args)} did not finish within {timeout}s:\n{logs[0][-4000:]}")
+        answer = json.loads(self.server.stdout.readline())
+        return Ranks(answer["returncodes"], logs)
+
+    def close(self) -> None:
+        kill(self.server)
+        self.server.communicate()
+
+
+@pytest.fixture(scope="session")
+def preloaded() -> Iterator[Preloaded]:
+    server = Preloaded()
+    yield server
+    server.close()

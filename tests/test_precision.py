@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -877,6 +878,54 @@ def test_evaluation_after_fit_runs_the_amp_initialized_model_without_initializin
     assert model.seen == {stage: {weights_output} for stage in ("validate", "test", "predict")}
 
 
+class SharedWeights(TwoModels):
+    """model_a used twice before one backward, as a GAN's discriminator on real and fake data is."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.model_a(x) + self.model_a(2 * x)
+        return torch.nn.functional.mse_loss(self.model_b(hidden).float(), y.float())
+
+
+@needs_cpu_fp16
+def test_apex_o1_trains_a_weight_used_twice_a_step_past_apexs_weight_cast_cache(apex_double: ModuleType) -> None:
+    # apex 25.05's cache check read grad_fn.next_functions[1] and failed with IndexError (NVIDIA/apex#1228).
+    t = fit(SharedWeights(), precision="apex-O1")
+    assert t.global_step == 8
+    assert all(torch.isfinite(p).all() for p in t.lightning_module.parameters())
+
+
+class Transformer(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.encoder = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_out", self.encoder(self.embed(batch[0].reshape(-1, 2, 8))).float().mean())
+
+
+@needs_cpu_fp16
+def test_a_transformer_evaluates_after_an_apex_o1_fit_off_torchs_fused_fast_path(
+    apex_double: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Under O1 the fused kernel met fp16 activations beside fp32 weights: "expected m1 and m2 to have the same dtype".
+    with caplog.at_level(logging.INFO):
+        t = fit(TwoModels(), precision="apex-O1")
+    said = [r.getMessage() for r in caplog.records if "fast path" in r.getMessage()]
+    assert len(said) == 1 and "torch.backends.mha.set_fastpath_enabled(False)" in said[0]
+    (validated,) = t.validate(Transformer().eval(), DataLoader(DATA, batch_size=4), verbose=False)
+    assert math.isfinite(validated["val_out"])
+    assert not torch.backends.mha.get_fastpath_enabled()
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_apex_levels_that_patch_no_torch_function_leave_the_fast_path_on(apex_double: ModuleType, level: str) -> None:
+    fit(TwoModels(), precision=f"apex-{level}")
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
 @needs_cpu_fp16
 @pytest.mark.parametrize("amp_models", [True, False], ids=["sub-models", "whole-module"])
 def test_evaluating_another_model_after_an_o2_fit_runs_it_as_built(apex_double: ModuleType, amp_models: bool) -> None:
@@ -900,3 +949,34 @@ def native_scaler(trainer: L.Trainer) -> Any:
     backend = trainer.precision_plugin.amp_backend
     assert isinstance(backend, NativeAmp)
     return backend.scaler
+
+
+class AdamTwoModels(TwoModels):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, eps=self.eps)
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("backend", ["apex", "native"])
+def test_o3_refuses_an_eps_that_rounds_to_zero_in_float16_naming_the_optimizer_and_the_fix(
+    apex_double: ModuleType, backend: str
+) -> None:
+    with pytest.raises(
+        PrecisionConfigurationError,
+        match=r"^eps=1e-08: opt_level O3 steps the float16 weights themselves, where Adam's eps rounds to 0.*"
+        r"Fix: pass Adam\(\.\.\., eps=1e-4\)",
+    ):
+        fit(AdamTwoModels(eps=1e-8), plugins=[AmpPrecision(opt_level="O3", backend=backend)])
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(("level", "eps"), [("O3", 1e-4), ("O2", 1e-8)])
+def test_an_eps_float16_holds_or_fp32_master_weights_train_adam(
+    apex_double: ModuleType, level: str, eps: float
+) -> None:
+    t = fit(AdamTwoModels(eps=eps), plugins=[AmpPrecision(opt_level=level, backend="apex")])
+    assert t.global_step == 8

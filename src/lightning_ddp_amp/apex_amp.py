@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -53,6 +54,37 @@ def _explain_set_to_none(apex_zero_grad: Callable[[], None]) -> Callable[..., No
         apex_zero_grad()
 
     return zero_grad
+
+
+def _turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
+    """Let apex O1 cast a weight at each use instead of once per ``scale_loss``.
+
+    apex 25.05's cache of fp16 weight casts fails with ``IndexError: tuple index out of range`` when a weight is used
+    twice before the next ``scale_loss`` (a GAN's discriminator on real and fake data, tied or shared weights;
+    NVIDIA/apex#1228): its check reads ``grad_fn.next_functions[1]``, which a cast has not had since torch 1.12.
+    Uncached, each use casts the weight again: the same fp16 values, and as many casts as before for a weight used
+    once a step. ``_enable_caching`` is what ``amp.init(enable_caching=False)`` sets; ``amp.initialize`` passes none.
+    """
+    handle = getattr(getattr(amp, "_amp_state", None), "handle", None)
+    if getattr(handle, "_enable_caching", False):
+        handle._enable_caching = False  # type: ignore[union-attr]
+
+
+def _turn_off_the_attention_fast_path() -> None:
+    """Keep ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` on their Python path under apex O1.
+
+    In eval mode without gradients torch runs them as one fused kernel (``torch._transformer_encoder_layer_fwd``),
+    which apex does not patch: it gets O1's fp16 activations beside fp32 weights and fails with "expected m1 and m2 to
+    have the same dtype". Like O1's patches, this lasts for the rest of the process.
+    """
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not mha.get_fastpath_enabled():
+        return
+    mha.set_fastpath_enabled(False)
+    rank_zero_info(
+        "AmpPrecision: apex O1 computes in fp16 through patched torch functions, which torch's fused attention fast"
+        " path bypasses; it is turned off for this process (torch.backends.mha.set_fastpath_enabled(False))"
+    )
 
 
 class ApexAmp(AmpBackend):
@@ -148,6 +180,9 @@ class ApexAmp(AmpBackend):
             )
         self.amp.initialize(list(modules), list(optimizers), opt_level=self.opt_level, **self.options)
         _INITIALIZED.add(self.amp)
+        if self.opt_level == "O1":
+            _turn_off_the_weight_cast_cache(self.amp)
+            _turn_off_the_attention_fast_path()
         self._optimizers = list(optimizers)
         for optimizer in optimizers:
             # apex builds O2's fp32 master weights lazily, at the first backward. Build them now, so that an

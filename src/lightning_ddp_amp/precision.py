@@ -176,12 +176,39 @@ class AmpPrecision(Precision):
             # runs as the last fit in this process left it, as the recipe evaluated its amp-initialized model.
             self.amp_backend.evaluate(model)
             return model, optimizers, lr_schedulers
+        self._check_half_steps(optimizers)
         self.amp_backend.connect(model, self.amp_modules, optimizers)
         self._optimizers = list(optimizers)
         self._model = model
         if self.amp_backend.may_skip_steps:
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
+
+    def _check_half_steps(self, optimizers: list[Optimizer]) -> None:
+        """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights (O3: no fp32 masters).
+
+        Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0 (a dead ReLU, an unused
+        embedding row) divides 0 by 0, and every weight it reaches becomes NaN.
+
+        Raises:
+            PrecisionConfigurationError: a param group's ``eps`` rounds to 0 in the model's dtype.
+        """
+        dtype = self.model_dtype
+        if dtype is None or self.master_weights:
+            return
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                eps = group.get("eps")
+                if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0:
+                    raise PrecisionConfigurationError(
+                        "eps",
+                        eps,
+                        f"opt_level {self.opt_level} steps the {str(dtype).removeprefix('torch.')} weights themselves,"
+                        f" where {type(optimizer).__name__}'s eps rounds to 0, so a weight whose gradient is 0"
+                        " becomes NaN at its first step",
+                        f"pass {type(optimizer).__name__}(..., eps=1e-4) (the smallest that float16 holds is about"
+                        ' 6e-8), or use opt_level="O2", whose optimizer steps fp32 master weights',
+                    )
 
     def amp_modules(self, lightning_module: LightningModule) -> list[Module]:
         """The modules handed to ``amp.initialize``: ``models``, ``configure_amp_models()``, or the module itself.

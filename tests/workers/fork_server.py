@@ -1,0 +1,79 @@
+"""Starts ranks by forking an interpreter that has already imported torch, Lightning and this package.
+
+For tests that need real ranks but not torchrun's agent (no restarts, exit statuses or signals): importing torch,
+Lightning and torchmetrics costs about 6 s a process here, a launch under torchrun about 12 s, where the training of
+a test run often takes 2 s. conftest.Preloaded drives this server.
+
+The server computes nothing (no thread pool starts), so forking it is safe. It reads one JSON request a line on
+standard input::
+
+    {"script": PATH, "args": [...], "nproc": 2, "port": 29500, "log": DIR}
+
+forks ``nproc`` ranks, each with torchrun's variables for one node (RANK, LOCAL_RANK, WORLD_SIZE, ...) and its
+output in DIR/rank<RANK>.log, runs the script in each as ``__main__``, waits for them, and answers one JSON line
+``{"returncodes": [...]}``. A rank ends as an interpreter ends (its atexit functions run), with the script's exit
+status.
+"""
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import traceback
+
+import lightning  # noqa: F401 (preloaded for the ranks)
+import torch  # noqa: F401
+import torchmetrics  # noqa: F401
+
+import lightning_ddp_amp  # noqa: F401
+
+
+def run_rank(request: dict, rank: int) -> None:
+    """In the forked child: become rank ``rank`` and run the script; never returns."""
+    log = os.open(os.path.join(request["log"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(request["nproc"]),
+            "LOCAL_WORLD_SIZE": str(request["nproc"]),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(request["port"]),
+        }
+    )
+    script = request["script"]
+    sys.argv = [script, *request["args"]]
+    sys.path[0] = os.path.dirname(script)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:  # reported as a crashed rank is
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    for line in sys.stdin:
+        request = json.loads(line)
+        pids = []
+        for rank in range(request["nproc"]):
+            pid = os.fork()
+            if pid == 0:
+                run_rank(request, rank)
+            pids.append(pid)
+        returncodes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        print(json.dumps({"returncodes": returncodes}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
