@@ -100,12 +100,14 @@ def apex_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """
     _forget_apex(monkeypatch)
     monkeypatch.syspath_prepend(str(DOUBLES))
-    fast_path = torch.backends.mha.get_fastpath_enabled()  # AmpPrecision turns it off under apex O1
+    mha = getattr(torch.backends, "mha", None)  # torch 2.3 and later; AmpPrecision turns it off under apex O1
+    fast_path = mha is None or mha.get_fastpath_enabled()
     import apex.amp
 
     yield apex.amp
     apex.amp.unpatch_torch_for_tests()
-    torch.backends.mha.set_fastpath_enabled(fast_path)
+    if mha is not None:
+        mha.set_fastpath_enabled(fast_path)
     _forget_apex(monkeypatch)
 
 

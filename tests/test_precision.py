@@ -24,6 +24,7 @@ from lightning_ddp_amp import (
     EnvDDPStrategy,
     PrecisionConfigurationError,
     StrategyConfigurationError,
+    apex_amp,
 )
 from lightning_ddp_amp.native_amp import NativeAmp
 
@@ -917,6 +918,20 @@ def test_a_transformer_evaluates_after_an_apex_o1_fit_off_torchs_fused_fast_path
     (validated,) = t.validate(Transformer().eval(), DataLoader(DATA, batch_size=4), verbose=False)
     assert math.isfinite(validated["val_out"])
     assert not torch.backends.mha.get_fastpath_enabled()
+
+
+@needs_cpu_fp16
+def test_a_transformer_under_apex_o1_on_a_torch_without_the_fast_path_switch_is_refused_naming_the_fix(
+    apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(apex_amp, "_attention_fast_path_switch", lambda: None)  # as on torch 2.1 and 2.2
+    t = fit(TwoModels(), precision="apex-O1")
+    with pytest.raises(
+        PrecisionConfigurationError,
+        match=r"^torch='.*': in eval mode encoder runs torch's fused attention kernel, which apex O1's fp16"
+        r" activations break.*Fix: install torch 2\.3 or later",
+    ):
+        t.validate(Transformer(), DataLoader(DATA, batch_size=4), verbose=False)
 
 
 @needs_cpu_fp16

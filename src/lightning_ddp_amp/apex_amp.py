@@ -70,21 +70,43 @@ def _turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
         handle._enable_caching = False  # type: ignore[union-attr]
 
 
-def _turn_off_the_attention_fast_path() -> None:
+def _keep_attention_off_the_fast_path(model: Module) -> None:
     """Keep ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` on their Python path under apex O1.
 
     In eval mode without gradients torch runs them as one fused kernel (``torch._transformer_encoder_layer_fwd``),
     which apex does not patch: it gets O1's fp16 activations beside fp32 weights and fails with "expected m1 and m2 to
-    have the same dtype". Like O1's patches, this lasts for the rest of the process.
+    have the same dtype". Like O1's patches, turning it off lasts for the rest of the process.
+
+    Raises:
+        PrecisionConfigurationError: ``model`` has such a module and this torch has no switch for the fast path.
     """
-    mha = getattr(torch.backends, "mha", None)
-    if mha is None or not mha.get_fastpath_enabled():
+    mha = _attention_fast_path_switch()
+    if mha is not None:
+        if mha.get_fastpath_enabled():
+            mha.set_fastpath_enabled(False)
+            rank_zero_info(
+                "AmpPrecision: apex O1 computes in fp16 through patched torch functions, which torch's fused attention"
+                " fast path bypasses; it is turned off for this process (torch.backends.mha.set_fastpath_enabled(False))"
+            )
         return
-    mha.set_fastpath_enabled(False)
-    rank_zero_info(
-        "AmpPrecision: apex O1 computes in fp16 through patched torch functions, which torch's fused attention fast"
-        " path bypasses; it is turned off for this process (torch.backends.mha.set_fastpath_enabled(False))"
-    )
+    fused = [name or "the model" for name, module in model.named_modules() if isinstance(module, _FUSED_ATTENTION)]
+    if fused:
+        raise PrecisionConfigurationError(
+            "torch",
+            torch.__version__,
+            f"in eval mode {fused[0]} runs torch's fused attention kernel, which apex O1's fp16 activations break"
+            " (expected m1 and m2 to have the same dtype), and this torch cannot turn that kernel off",
+            "install torch 2.3 or later (torch.backends.mha turns it off), or use torch's AMP:"
+            ' AmpPrecision(opt_level="O1", backend="native")',
+        )
+
+
+_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+
+
+def _attention_fast_path_switch() -> Any:
+    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
+    return getattr(torch.backends, "mha", None)
 
 
 class ApexAmp(AmpBackend):
@@ -182,7 +204,6 @@ class ApexAmp(AmpBackend):
         _INITIALIZED.add(self.amp)
         if self.opt_level == "O1":
             _turn_off_the_weight_cast_cache(self.amp)
-            _turn_off_the_attention_fast_path()
         self._optimizers = list(optimizers)
         for optimizer in optimizers:
             # apex builds O2's fp32 master weights lazily, at the first backward. Build them now, so that an
@@ -271,6 +292,8 @@ class ApexAmp(AmpBackend):
             )
         selected = select(model)
         self.initialize(selected, optimizers)
+        if self.opt_level == "O1":
+            _keep_attention_off_the_fast_path(model)
         # apex O2/O3 patch the forward of the modules they cast; Lightning calls training_step, not the
         # LightningModule's forward, so when the module itself is selected the batch is cast here instead.
         cast = selected == [model] and self.opt_level in ("O2", "O3")
@@ -285,6 +308,8 @@ class ApexAmp(AmpBackend):
         under them, as the recipe's evaluation did.
         """
         self._cast_batch = self._batch_cast_for is not None and self._batch_cast_for() is model
+        if self.opt_level == "O1" and self.initialized:
+            _keep_attention_off_the_fast_path(model)
 
     @override
     def convert_input(self, data: Any) -> Any:
