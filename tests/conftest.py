@@ -329,14 +329,14 @@ class Preloaded:
         self.server.stdin.write(json.dumps({**request, "log": str(log)}) + "\n")
         self.server.stdin.flush()
         ready, _, _ = select.select([self.server.stdout], [], [], timeout)
-        logs = [
-            (log / f"rank{rank}.log").read_text() if (log / f"rank{rank}.log").exists() else "" for rank in range(nproc)
-        ]
-        if not ready:
+        answer = self.server.stdout.readline() if ready else ""
+        logs = [(log / f"rank{r}.log").read_text() if (log / f"rank{r}.log").exists() else "" for r in range(nproc)]
+        if not answer:
             self.close()
-            pytest.fail(f"{script} {' '.join(args)} did not finish within {timeout}s:\n{logs[0][-4000:]}")
-        answer = json.loads(self.server.stdout.readline())
-        return Ranks(answer["returncodes"], logs)
+            said = "\n".join(f"--- rank {rank}:\n{text[-3000:]}" for rank, text in enumerate(logs))
+            why = f"did not finish within {timeout}s" if not ready else "lost its fork server"
+            pytest.fail(f"{script} {' '.join(args)} {why}:\n{said}")
+        return Ranks(json.loads(answer)["returncodes"], logs)
 
     def close(self) -> None:
         kill(self.server)

@@ -942,6 +942,14 @@ def test_apex_levels_that_patch_no_torch_function_leave_the_fast_path_on(apex_do
 
 
 @needs_cpu_fp16
+def test_a_new_trainer_evaluates_the_model_an_o2_fit_cast_whole_with_its_batch_cast(apex_double: ModuleType) -> None:
+    model = Evaluated(amp_models=False)
+    fit(model, precision="apex-O2")
+    trainer(precision="apex-O2").validate(model, DataLoader(DATA, batch_size=4), verbose=False)
+    assert model.seen == {"validate": {(torch.float16, torch.float16)}}
+
+
+@needs_cpu_fp16
 @pytest.mark.parametrize("amp_models", [True, False], ids=["sub-models", "whole-module"])
 def test_evaluating_another_model_after_an_o2_fit_runs_it_as_built(apex_double: ModuleType, amp_models: bool) -> None:
     # The whole module's batch is cast to fp16 for the model amp.initialize cast, not for another one.
@@ -986,6 +994,19 @@ def test_o3_refuses_an_eps_that_rounds_to_zero_in_float16_naming_the_optimizer_a
         r"Fix: pass Adam\(\.\.\., eps=1e-4\)",
     ):
         fit(AdamTwoModels(eps=1e-8), plugins=[AmpPrecision(opt_level="O3", backend=backend)])
+
+
+@needs_cpu_fp16
+def test_o3_leaves_the_eps_of_an_optimizer_over_modules_it_does_not_cast_alone(apex_double: ModuleType) -> None:
+    model = AdamTwoModels(eps=1e-8)
+    model.configure_amp_models = lambda: [model.model_b]
+    model.configure_optimizers = lambda: [  # type: ignore[method-assign]
+        torch.optim.SGD(model.model_b.parameters(), lr=0.1),
+        torch.optim.Adam(model.model_a.parameters(), lr=1e-3, eps=1e-8),  # model_a stays fp32
+    ]
+    plugin = AmpPrecision(opt_level="O3", backend="apex")
+    plugin.connect(model, model.configure_optimizers(), [])
+    assert next(model.model_a.parameters()).dtype == torch.float32
 
 
 @needs_cpu_fp16

@@ -31,6 +31,8 @@ from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfiguratio
 
 # The amp modules initialized so far in this process: apex documents one amp.initialize per process.
 _INITIALIZED: weakref.WeakSet[ModuleType] = weakref.WeakSet()
+# The LightningModules apex O2/O3 cast whole: their batches are cast to fp16 in every Trainer of this process.
+_BATCH_CAST: weakref.WeakSet[Module] = weakref.WeakSet()
 _OVERRIDDEN_STEP_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
 
 
@@ -127,7 +129,6 @@ class ApexAmp(AmpBackend):
         self._pending_loss_scalers: list[dict[str, float]] | None = None
         self._pending_master_weights: list[Tensor] | None = None
         self._optimizers: list[Optimizer] = []
-        self._batch_cast_for: weakref.ref[Module] | None = None
         self._cast_batch = False
 
     @classmethod
@@ -291,23 +292,24 @@ class ApexAmp(AmpBackend):
                 'use strategy="envddp"',
             )
         selected = select(model)
-        self.initialize(selected, optimizers)
-        if self.opt_level == "O1":
+        if self.opt_level == "O1":  # before amp.initialize, which a refusal must leave for the fix to use
             _keep_attention_off_the_fast_path(model)
+        self.initialize(selected, optimizers)
         # apex O2/O3 patch the forward of the modules they cast; Lightning calls training_step, not the
         # LightningModule's forward, so when the module itself is selected the batch is cast here instead.
-        cast = selected == [model] and self.opt_level in ("O2", "O3")
-        self._batch_cast_for = weakref.ref(model) if cast else None
-        self._cast_batch = cast
+        self._cast_batch = selected == [model] and self.opt_level in ("O2", "O3")
+        if self._cast_batch:
+            _BATCH_CAST.add(model)
 
     @override
     def evaluate(self, model: Module) -> None:
-        """The model amp.initialize cast keeps its input casts; another model (none, in a fresh process) runs as built.
+        """A model amp.initialize cast keeps its input casts, in any Trainer of this process; another model (every
+        model, in a fresh process) runs as built.
 
         O1's patches of torch stay for the rest of the process, as in apex: every model evaluated after an O1 fit runs
         under them, as the recipe's evaluation did.
         """
-        self._cast_batch = self._batch_cast_for is not None and self._batch_cast_for() is model
+        self._cast_batch = model in _BATCH_CAST
         if self.opt_level == "O1" and self.initialized:
             _keep_attention_off_the_fast_path(model)
 

@@ -176,7 +176,7 @@ class AmpPrecision(Precision):
             # runs as the last fit in this process left it, as the recipe evaluated its amp-initialized model.
             self.amp_backend.evaluate(model)
             return model, optimizers, lr_schedulers
-        self._check_half_steps(optimizers)
+        self._check_half_steps(model, optimizers)
         self.amp_backend.connect(model, self.amp_modules, optimizers)
         self._optimizers = list(optimizers)
         self._model = model
@@ -184,8 +184,10 @@ class AmpPrecision(Precision):
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
 
-    def _check_half_steps(self, optimizers: list[Optimizer]) -> None:
+    def _check_half_steps(self, model: Module, optimizers: list[Optimizer]) -> None:
         """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights (O3: no fp32 masters).
+
+        Checked when ``fit`` starts: the optimizers do not exist when the Trainer is built.
 
         Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0 (a dead ReLU, an unused
         embedding row) divides 0 by 0, and every weight it reaches becomes NaN.
@@ -194,12 +196,14 @@ class AmpPrecision(Precision):
             PrecisionConfigurationError: a param group's ``eps`` rounds to 0 in the model's dtype.
         """
         dtype = self.model_dtype
-        if dtype is None or self.master_weights:
+        if dtype is None or self.master_weights or not isinstance(model, LightningModule):
             return
+        cast = {id(param) for module in self.amp_modules(model) for param in module.parameters()}
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 eps = group.get("eps")
-                if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0:
+                steps_cast_weights = any(id(param) in cast for param in group["params"])
+                if steps_cast_weights and isinstance(eps, float) and torch.tensor(eps, dtype=dtype).item() == 0 < eps:
                     raise PrecisionConfigurationError(
                         "eps",
                         eps,

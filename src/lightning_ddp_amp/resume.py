@@ -261,7 +261,9 @@ def _fsync_directory(directory: Path) -> None:
     try:
         os.fsync(handle)
     except OSError as error:
-        if error.errno != errno.EINVAL:  # EINVAL: this file system does not flush directories
+        # The checkpoint is complete and in place: a file system that does not flush directories (EINVAL; some
+        # network and FUSE ones answer ENOTSUP or EBADF) keeps it as it keeps every rename.
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
             raise
     finally:
         os.close(handle)

@@ -698,7 +698,7 @@ class EnvDDPStrategy(DDPStrategy):
             and reduce_op.lower() in ("mean", "avg")
             and dist.is_initialized()
         ):
-            total = tensor.clone()  # summed exactly, as integers; Lightning's own reduce works in place
+            total = tensor.to(torch.int64, copy=True)  # summed exactly: no overflow of small types, bools counted
             dist.all_reduce(total, op=ReduceOp.SUM, group=group)
             return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
         return super().reduce(tensor, group, reduce_op)

@@ -89,7 +89,30 @@ class SmallCNN(L.LightningModule):
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)
         self.gathered: list[Any] = []
-        self.logged_dtypes: set[str] = set()
+        self.computed_in: set[str] = set()  # the conv's output dtype, in training
+        self.features[0].register_forward_hook(lambda module, args, output: self.record_dtype(output))
+        self.epochs: list[dict[str, float]] = []
+        self.val_losses: list[
+            float
+        ] = []  # each validation's during fit  # per epoch: the monitored val_loss, the LR around the plateau step
+
+    def record_dtype(self, output: torch.Tensor) -> None:
+        if self.training:
+            self.computed_in.add(str(output.dtype).removeprefix("torch."))
+
+    def lr(self) -> float:
+        return float(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_epoch_end(self) -> None:
+        # Lightning steps ReduceLROnPlateau after this hook, on the val_loss it monitors.
+        self.epochs.append({"val_loss": float(self.trainer.callback_metrics["val_loss"]), "lr_before": self.lr()})
+
+    def on_train_epoch_start(self) -> None:
+        if self.epochs:
+            self.epochs[-1]["lr_after"] = self.lr()
+
+    def on_train_end(self) -> None:
+        self.on_train_epoch_start()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).flatten(1)).float()
@@ -107,12 +130,12 @@ class SmallCNN(L.LightningModule):
     def evaluate(self, stage: str, batch: Any) -> None:
         x, y, _ = batch
         logits = self(x)
-        self.logged_dtypes.add(str(logits.dtype))
         metric = self.val_acc if stage == "val" else self.test_acc
         metric(logits, y)
         self.log(f"{stage}_loss", F.cross_entropy(logits, y), sync_dist=True, prog_bar=True)
         self.log(f"{stage}_acc", metric)
-        # Each rank logs its own rank: across 2 ranks the mean is 0.5, the sum of rank + 1 is 3, the max is 1.
+        # Each rank logs its own rank (Lightning makes the integers floats): with exact_eval's shards of 19 and 18 the
+        # epoch mean weighs them by sample counts; the sum of rank + 1 is 3 a step, the max is 1.
         self.log(f"{stage}_rank_mean", torch.tensor(self.global_rank), sync_dist=True, reduce_fx="mean")
         self.log(f"{stage}_rank_sum", torch.tensor(self.global_rank + 1), sync_dist=True, reduce_fx="sum")
         self.log(f"{stage}_rank_max", float(self.global_rank), sync_dist=True, reduce_fx="max")
@@ -126,15 +149,20 @@ class SmallCNN(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x, _, index = batch
-        return {"index": index, "classes": self(x).argmax(dim=1)}
+        return {"index": index, "logits": self(x)}
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
         self.gathered.append(self.all_gather(torch.tensor([self.global_rank], device=self.device)).flatten().tolist())
         self.trainer.strategy.barrier("everyday: validation epoch end")
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP_STEPS))
+        # LinearLR multiplies the LR it finds, so the plateau's halving stays.
+        warmup = torch.optim.lr_scheduler.LinearLR(
+            optimizer, start_factor=1 / WARMUP_STEPS, total_iters=WARMUP_STEPS - 1
+        )
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
         return [optimizer], [
             {"scheduler": warmup, "interval": "step"},
@@ -225,8 +253,10 @@ def trainer_options(**kwargs: Any) -> dict[str, Any]:
 def run_cnn(precision: str, out: Path, report: dict[str, Any]) -> L.Trainer:
     L.seed_everything(0, workers=True)
     checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", save_top_k=2, save_last=True)
+    early_stopping = EarlyStopping(monitor="val_loss", patience=5)
     trainer = L.Trainer(
-        strategy=EnvDDPStrategy(),
+        # exact_eval: the eval shards are 19 and 18 samples, so the ranks' sample counts differ.
+        strategy=EnvDDPStrategy(exact_eval=True, timeout=60),
         max_epochs=2,
         val_check_interval=3,
         accumulate_grad_batches=2,
@@ -234,7 +264,7 @@ def run_cnn(precision: str, out: Path, report: dict[str, Any]) -> L.Trainer:
         gradient_clip_algorithm="norm",
         logger=CSVLogger(out, name="csv", version=0),
         log_every_n_steps=1,
-        callbacks=[checkpoints, EarlyStopping(monitor="val_loss", patience=5), LearningRateMonitor("step")],
+        callbacks=[checkpoints, early_stopping, LearningRateMonitor("step")],
         **trainer_options(**precision_options(precision)),
     )
     report["trainer_precision"] = str(trainer.precision)
@@ -249,13 +279,18 @@ def run_cnn(precision: str, out: Path, report: dict[str, Any]) -> L.Trainer:
         "best_model_path": checkpoints.best_model_path,
         "best_k_models": sorted(checkpoints.best_k_models),
         "last_model_path": checkpoints.last_model_path,
-        "lrs": [group["lr"] for group in trainer.optimizers[0].param_groups],
+        "val_losses": model.val_losses,
+        "best_model_score": float(checkpoints.best_model_score),
+        "early_stopping_best": float(early_stopping.best_score),
+        "epochs_around_plateau": model.epochs,
+        "computed_in": sorted(model.computed_in),
     }
+    report["reduce"] = reduced(trainer.strategy)
     eval_loader = loader(EVAL_SIZE, seed=3)
     report["validate"] = finite(trainer.validate(model, eval_loader, verbose=False)[0])
     report["test"] = finite(trainer.test(model, eval_loader, verbose=False)[0])
     report["predict"] = predictions(trainer.predict(model, eval_loader))
-    report["logged_dtypes"] = sorted(model.logged_dtypes)
+    report["predict_best"] = predictions(trainer.predict(model, eval_loader, ckpt_path="best"))
 
     transformer = SmallTransformer()
     report["transformer"] = {
@@ -265,11 +300,31 @@ def run_cnn(precision: str, out: Path, report: dict[str, Any]) -> L.Trainer:
     return trainer
 
 
-def predictions(batches: Any) -> dict[str, list[int]]:
+def predictions(batches: Any) -> dict[str, list[Any]]:
     return {
         "index": torch.cat([batch["index"] for batch in batches]).tolist(),
-        "classes": torch.cat([batch["classes"] for batch in batches]).tolist(),
+        "logits": torch.cat([batch["logits"] for batch in batches]).tolist(),
     }
+
+
+#: What each rank hands envddp's reduce (what Lightning's sync_dist does with a logged tensor), by name.
+REDUCE_INPUTS = {
+    "int64": lambda rank: torch.tensor([19 - rank]),  # mean 18.5: the fraction kept
+    "uint8": lambda rank: torch.tensor([200], dtype=torch.uint8),  # the sum 400 is past uint8
+    "bool": lambda rank: torch.tensor([rank == 0]),
+    "float32": lambda rank: torch.tensor([rank + 0.25]),
+    "bfloat16": lambda rank: torch.tensor([rank + 0.5], dtype=torch.bfloat16),
+}
+
+
+def reduced(strategy: Any) -> dict[str, Any]:
+    """Each input reduced with each op, value and dtype, after the fit (under apex O1: with torch still patched)."""
+    found: dict[str, Any] = {}
+    for name, make in REDUCE_INPUTS.items():
+        for op in ("mean", "sum", "max", "min") if name not in ("bool", "uint8") else ("mean",):
+            result = strategy.reduce(make(strategy.global_rank), reduce_op=op)
+            found[f"{name}-{op}"] = [float(result.float().item()), str(result.dtype).removeprefix("torch.")]
+    return found
 
 
 def run_gan(precision: str, report: dict[str, Any]) -> None:
@@ -329,7 +384,7 @@ def train(precision: str, part: str, out: Path, report: dict[str, Any]) -> None:
 
 def reload(runs: list[Path], out: Path) -> None:
     """In a new process, one rank: each run's best checkpoint through ``load_from_checkpoint``, then ``predict``
-    under the run's precision; OUT/reload.json holds the predicted classes of each."""
+    under the run's precision; OUT/reload.json holds the predictions of each."""
     found: dict[str, Any] = {}
     for run in runs:
         precision = json.loads((run / "cnn-rank0.json").read_text())["precision"]

@@ -12,17 +12,22 @@ standard input::
 forks ``nproc`` ranks, each with torchrun's variables for one node (RANK, LOCAL_RANK, WORLD_SIZE, ...) and its
 output in DIR/rank<RANK>.log, runs the script in each as ``__main__``, waits for them, and answers one JSON line
 ``{"returncodes": [...]}``. A rank ends as an interpreter ends (its atexit functions run), with the script's exit
-status.
+status; as under torchrun, the first rank to fail ends the others.
 """
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 
 import lightning  # noqa: F401 (preloaded for the ranks)
+import lightning.fabric.utilities.rank_zero as fabric_rank_zero
+import lightning.pytorch.utilities.rank_zero as lightning_rank_zero
+import lightning_utilities.core.rank_zero as utilities_rank_zero
 import torch  # noqa: F401
 import torchmetrics  # noqa: F401
 
@@ -45,6 +50,9 @@ def run_rank(request: dict, rank: int) -> None:
             "MASTER_PORT": str(request["port"]),
         }
     )
+    # Lightning read RANK when the server imported it, before there was one: what it would have read here.
+    for module in (lightning_rank_zero, fabric_rank_zero, utilities_rank_zero):
+        module.rank_zero_only.rank = rank  # type: ignore[attr-defined]
     script = request["script"]
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)
@@ -52,6 +60,8 @@ def run_rank(request: dict, rank: int) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
+        if exit_.code is not None and not isinstance(exit_.code, int):
+            print(exit_.code, file=sys.stderr)  # as the interpreter prints SystemExit("message")
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:  # reported as a crashed rank is
         traceback.print_exc()
@@ -71,8 +81,20 @@ def main() -> None:
             if pid == 0:
                 run_rank(request, rank)
             pids.append(pid)
-        returncodes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        print(json.dumps({"returncodes": returncodes}), flush=True)
+        print(json.dumps({"returncodes": wait_for(pids)}), flush=True)
+
+
+def wait_for(pids: list[int]) -> list[int]:
+    """Each rank's exit status; the first rank to fail ends the others (SIGKILL, -9), as torchrun's agent does."""
+    returncodes: dict[int, int] = {}
+    while len(returncodes) < len(pids):
+        pid, status = os.wait()
+        returncodes[pid] = os.waitstatus_to_exitcode(status)
+        if returncodes[pid] != 0:
+            for other in set(pids) - set(returncodes):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGKILL)
+    return [returncodes[pid] for pid in pids]
 
 
 if __name__ == "__main__":
