@@ -32,6 +32,8 @@ UNDOCUMENTED_ATTRIBUTES = ("epoch_loop", "batch_progress")
 NOT_LIGHTNING = {
     "_amp_stash": "apex amp's state on an optimizer",
     "_amp_lazy_init": "apex amp's optimizer hook",
+    "_amp_state": "apex amp's module state, which holds O1's handle",
+    "_enable_caching": "apex amp's O1 handle: what amp.init(enable_caching=False) sets",
     "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare_recorder)",
 }
 

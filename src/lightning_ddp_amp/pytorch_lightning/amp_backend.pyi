@@ -126,6 +126,10 @@ class AmpBackend(abc.ABC):
     def connect(self, model: Module, select: ModuleSelector, optimizers: list[Optimizer]) -> None:  # noqa: B027
         """Take the model and its raw optimizers, before any DDP wrap (``Precision.connect``, with optimizers)."""
 
+    def evaluate(self, model: Module) -> None:  # noqa: B027 (optional hook)
+        """Get ready to evaluate ``model`` (validate, test, predict): after a fit of it in this process, as that fit
+        left it; a model no fit connected runs as built."""
+
     def convert_input(self, data: Any) -> Any:
         """The batch as the model should see it."""
         ...

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from pytorch_lightning import LightningModule
 from pytorch_lightning.strategies import SingleDeviceStrategy, Strategy
+from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -31,6 +32,8 @@ from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfiguratio
 
 # The amp modules initialized so far in this process: apex documents one amp.initialize per process.
 _INITIALIZED: weakref.WeakSet[ModuleType] = weakref.WeakSet()
+# The LightningModules apex O2/O3 cast whole: their batches are cast to fp16 in every Trainer of this process.
+_BATCH_CAST: weakref.WeakSet[Module] = weakref.WeakSet()
 _OVERRIDDEN_STEP_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
 
 
@@ -42,6 +45,39 @@ def supports_device(amp: ModuleType, device_type: str) -> bool:
 def _explain_set_to_none(apex_zero_grad: Callable[[], None]) -> Callable[..., None]:
     """apex O2's ``zero_grad`` takes no arguments; torch's ``set_to_none`` gets an answer instead of a TypeError."""
 
+    ...
+
+
+def _turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
+    """Let apex O1 cast a weight at each use instead of once per ``scale_loss``.
+
+    apex 25.05's cache of fp16 weight casts fails with ``IndexError: tuple index out of range`` when a weight is used
+    twice before the next ``scale_loss`` (a GAN's discriminator on real and fake data, tied or shared weights;
+    NVIDIA/apex#1228): its check reads ``grad_fn.next_functions[1]``, which a cast has not had since torch 1.12.
+    Uncached, each use casts the weight again: the same fp16 values, and as many casts as before for a weight used
+    once a step. ``_enable_caching`` is what ``amp.init(enable_caching=False)`` sets; ``amp.initialize`` passes none.
+    """
+    ...
+
+
+def _keep_attention_off_the_fast_path(model: Module) -> None:
+    """Keep ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` on their Python path under apex O1.
+
+    In eval mode without gradients torch runs them as one fused kernel (``torch._transformer_encoder_layer_fwd``),
+    which apex does not patch: it gets O1's fp16 activations beside fp32 weights and fails with "expected m1 and m2 to
+    have the same dtype". Like O1's patches, turning it off lasts for the rest of the process.
+
+    Raises:
+        PrecisionConfigurationError: ``model`` has such a module and this torch has no switch for the fast path.
+    """
+    ...
+
+
+_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+
+
+def _attention_fast_path_switch() -> Any:
+    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
     ...
 
 
@@ -138,6 +174,16 @@ class ApexAmp(AmpBackend):
 
         Raises:
             PrecisionConfigurationError: The model arrived already wrapped.
+        """
+        ...
+
+    @override
+    def evaluate(self, model: Module) -> None:
+        """A model amp.initialize cast keeps its input casts, in any Trainer of this process; another model (every
+        model, in a fresh process) runs as built.
+
+        O1's patches of torch stay for the rest of the process, as in apex: every model evaluated after an O1 fit runs
+        under them, as the recipe's evaluation did.
         """
         ...
 

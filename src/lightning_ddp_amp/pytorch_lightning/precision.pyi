@@ -26,6 +26,7 @@ from pytorch_lightning import LightningModule
 from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import Strategy
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import Tensor
@@ -126,6 +127,19 @@ class AmpPrecision(Precision):
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
+        ...
+
+    def _check_half_steps(self, model: Module, optimizers: list[Optimizer]) -> None:
+        """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights (O3: no fp32 masters).
+
+        Checked when ``fit`` starts: the optimizers do not exist when the Trainer is built.
+
+        Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0 (a dead ReLU, an unused
+        embedding row) divides 0 by 0, and every weight it reaches becomes NaN.
+
+        Raises:
+            PrecisionConfigurationError: a param group's ``eps`` rounds to 0 in the model's dtype.
+        """
         ...
 
     def amp_modules(self, lightning_module: LightningModule) -> list[Module]:
@@ -313,6 +327,11 @@ def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any
         PrecisionConfigurationError: ``plugins`` already holds a precision plugin.
         ApexUnavailableError: ``"apex-O*"`` and apex amp cannot be imported.
     """
+    ...
+
+
+def _trainer_fn(model: Module) -> TrainerFn | None:
+    """What the model's Trainer was asked to run (fit, validate, test, predict); None without a Trainer."""
     ...
 
 

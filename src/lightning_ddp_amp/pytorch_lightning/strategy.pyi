@@ -380,7 +380,9 @@ class EnvDDPStrategy(DDPStrategy):
 
         Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
         divide two such averages (sum of values / number of samples), so with the uneven shards of
-        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float.
+        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
+        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
+        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
         """
         ...
 
