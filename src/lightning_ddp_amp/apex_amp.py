@@ -72,6 +72,14 @@ def _turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
         handle._enable_caching = False  # type: ignore[union-attr]
 
 
+_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+
+
+def _attention_fast_path_switch() -> Any:
+    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
+    return getattr(torch.backends, "mha", None)
+
+
 def _keep_attention_off_the_fast_path(model: Module) -> None:
     """Keep ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` on their Python path under apex O1.
 
@@ -101,14 +109,6 @@ def _keep_attention_off_the_fast_path(model: Module) -> None:
             "install torch 2.3 or later (torch.backends.mha turns it off), or use torch's AMP:"
             ' AmpPrecision(opt_level="O1", backend="native")',
         )
-
-
-_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
-
-
-def _attention_fast_path_switch() -> Any:
-    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
-    return getattr(torch.backends, "mha", None)
 
 
 class ApexAmp(AmpBackend):

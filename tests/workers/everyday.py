@@ -387,9 +387,9 @@ def reload(runs: list[Path], out: Path) -> None:
     under the run's precision; OUT/reload.json holds the predictions of each."""
     found: dict[str, Any] = {}
     for run in runs:
-        precision = json.loads((run / "cnn-rank0.json").read_text())["precision"]
-        best = json.loads((run / "cnn-rank0.json").read_text())["fit"]["best_model_path"]
-        model = SmallCNN.load_from_checkpoint(best)
+        trained = json.loads((run / "cnn-rank0.json").read_text())
+        precision = trained["precision"]
+        model = SmallCNN.load_from_checkpoint(trained["fit"]["best_model_path"])
         trainer = L.Trainer(strategy=EnvDDPStrategy(), logger=False, **trainer_options(**precision_options(precision)))
         found[run.name] = predictions(trainer.predict(model, loader(EVAL_SIZE, seed=3)))
     (out / "reload.json").write_text(json.dumps(found))

@@ -60,6 +60,14 @@ def _turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
     ...
 
 
+_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+
+
+def _attention_fast_path_switch() -> Any:
+    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
+    ...
+
+
 def _keep_attention_off_the_fast_path(model: Module) -> None:
     """Keep ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` on their Python path under apex O1.
 
@@ -70,14 +78,6 @@ def _keep_attention_off_the_fast_path(model: Module) -> None:
     Raises:
         PrecisionConfigurationError: ``model`` has such a module and this torch has no switch for the fast path.
     """
-    ...
-
-
-_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
-
-
-def _attention_fast_path_switch() -> Any:
-    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
     ...
 
 
