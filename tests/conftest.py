@@ -254,15 +254,23 @@ def run_reference(
 ) -> Path:
     """Run a hand-written reference worker with ``--out out`` and return the file it saves there.
 
-    A reference is judged by what it saved, not by its exit code: torch's gloo teardown can abort a process after
-    its work is done ("terminate called without an active exception"). The workers write ``saves`` atomically, so
-    its presence means it is complete; without it, the run failed. The package's own runs stay strict: ``check``.
+    A reference is judged by what it saved, not by how it exits: torch's gloo teardown can abort a process after
+    its work is done ("terminate called without an active exception"), and on torch 2.1 the recipe's plain
+    ``destroy_process_group()`` can hang it (pytorch/pytorch#154976). The workers write ``saves`` atomically, so its
+    presence means it is complete; without it, the run failed. The package's own runs stay strict: ``check``.
     """
     out.mkdir(parents=True, exist_ok=True)
-    result = torchrun.run(script, "--out", str(out), *args, timeout=timeout, **kwargs)
     saved = out / saves
+    process = torchrun.start(script, "--out", str(out), *args, **kwargs)  # type: ignore[arg-type]
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(process)
+        output, _ = process.communicate()
+        if not saved.exists():
+            pytest.fail(f"{script} did not finish within {timeout}s and saved no {saves}:\n{output[-6000:]}")
     if not saved.exists():
-        pytest.fail(f"{script} saved no {saves} (exit code {result.returncode}):\n{result.stdout[-6000:]}")
+        pytest.fail(f"{script} saved no {saves} (exit code {process.returncode}):\n{output[-6000:]}")
     return saved
 
 
@@ -337,6 +345,23 @@ class Preloaded:
             why = f"did not finish within {timeout}s" if not ready else "lost its fork server"
             pytest.fail(f"{script} {' '.join(args)} {why}:\n{said}")
         return Ranks(json.loads(answer)["returncodes"], logs)
+
+    def reference(self, script: str, *args: str, out: Path, saves: str = "reference.pt", timeout: float = 120) -> Path:
+        """Run a hand-written reference worker with ``--out out``; judged by what it saved, as :func:`run_reference`.
+
+        A reference that saved and then hung in the recipe's plain teardown (torch 2.1) is ended with the server.
+        """
+        out.mkdir(parents=True, exist_ok=True)
+        saved = out / saves
+        try:
+            ranks = self.run(script, "--out", str(out), *args, log=out / "logs", timeout=timeout)
+        except pytest.fail.Exception:
+            if not saved.exists():
+                raise
+        else:
+            if not saved.exists():
+                pytest.fail(f"{script} saved no {saves} (exit codes {ranks.returncodes}):\n{ranks.logs[0][-6000:]}")
+        return saved
 
     def close(self) -> None:
         kill(self.server)

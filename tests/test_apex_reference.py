@@ -1,4 +1,4 @@
-"""AmpPrecision against the recipe written by hand, on 2 real ranks (torchrun, gloo, apex through its CPU double).
+"""AmpPrecision against the recipe written by hand, on 2 real ranks (gloo, apex through its CPU double).
 
 Each pair trains train_amp.py's two sub-models twice: with ``Trainer(strategy="envddp", precision=...)`` and with
 the classic recipe in plain torch (workers/train_apex_recipe.py, workers/train_native_recipe.py). The first sub-model
@@ -7,7 +7,8 @@ holds an affine BatchNorm, which apex O2 keeps fp32: its gradients are the ones 
 the same state (weights, fp32 master weights, loss scale, skipped steps), and must have really computed in half
 precision: the dtypes it saw say so, and its weights are not the fp32 run's. After training, both evaluate in the same
 process (``trainer.validate`` / ``test`` / ``predict``, and the recipe's own loop) and must predict the same. The apex runs also show the recipe's
-order of calls, from the apex double's event log.
+order of calls, from the apex double's event log. Nothing here is about torchrun's agent: the ranks are forked from
+an interpreter that already imported torch and Lightning (conftest.Preloaded), with torchrun's variables.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Torchrun, check, max_abs_difference, needs_cpu_fp16, run_reference
+from conftest import Preloaded, max_abs_difference, needs_cpu_fp16
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,20 +50,20 @@ class Pair:
     reference: dict[str, Any]
 
 
-def train_amp(torchrun: Torchrun, out: Path, *args: str, apex_double: bool = False) -> Run:
+def train_amp(preloaded: Preloaded, out: Path, *args: str) -> Run:
     out.mkdir(parents=True)
-    check(torchrun.run("train_amp.py", "--out", str(out), *args, apex_double=apex_double))
+    preloaded.run("train_amp.py", "--out", str(out), *args, log=out / "logs").check()
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     return Run(reports, torch.load(out / "amp_state.pt"))
 
 
 def train_pair(
-    torchrun: Torchrun, out: Path, envddp: Sequence[str], reference: Sequence[str], half: str = "torch.float16"
+    preloaded: Preloaded, out: Path, envddp: Sequence[str], reference: Sequence[str], half: str = "torch.float16"
 ) -> Pair:
     """``train_amp.py *envddp`` and the reference worker ``reference[0] *reference[1:]``, with the apex double."""
     script, *args = reference
-    saved = run_reference(torchrun, script, *args, out=out / "reference", apex_double=True)
-    return Pair(half, train_amp(torchrun, out / "envddp", *envddp, apex_double=True), torch.load(saved))
+    saved = preloaded.reference(script, *args, out=out / "reference")
+    return Pair(half, train_amp(preloaded, out / "envddp", *envddp), torch.load(saved))
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +72,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fp32(torchrun: Torchrun, runs: Path) -> Run:
-    return train_amp(torchrun, runs / "fp32", "--precision", "32-true")
+def fp32(preloaded: Preloaded, runs: Path) -> Run:
+    return train_amp(preloaded, runs / "fp32", "--precision", "32-true")
 
 
 OVERFLOW_AT_STEP_3 = ("--overflow-at-step", "3")
 
 
 @pytest.fixture(scope="module")
-def apex_o1(torchrun: Torchrun, runs: Path) -> Pair:
+def apex_o1(preloaded: Preloaded, runs: Path) -> Pair:
     """apex O1 (torch functions patched to fp16) under torch DDP, with an overflow injected at step 3 in both."""
     return train_pair(
-        torchrun,
+        preloaded,
         runs / "apex-O1",
         envddp=["--precision", "apex-O1", *OVERFLOW_AT_STEP_3],
         reference=["train_apex_recipe.py", "--opt-level", "O1", *OVERFLOW_AT_STEP_3],
@@ -90,10 +91,10 @@ def apex_o1(torchrun: Torchrun, runs: Path) -> Pair:
 
 
 @pytest.fixture(scope="module")
-def apex_o2(torchrun: Torchrun, runs: Path) -> Pair:
+def apex_o2(preloaded: Preloaded, runs: Path) -> Pair:
     """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under torch DDP."""
     return train_pair(
-        torchrun,
+        preloaded,
         runs / "apex-O2",
         envddp=["--precision", "apex-O2"],
         reference=["train_apex_recipe.py", "--opt-level", "O2"],
@@ -101,10 +102,10 @@ def apex_o2(torchrun: Torchrun, runs: Path) -> Pair:
 
 
 @pytest.fixture(scope="module")
-def apex_o3(torchrun: Torchrun, runs: Path) -> Pair:
+def apex_o3(preloaded: Preloaded, runs: Path) -> Pair:
     """apex O3 (fp16 model, no master weights) under torch DDP."""
     return train_pair(
-        torchrun,
+        preloaded,
         runs / "apex-O3",
         envddp=["--precision", "apex-O3"],
         reference=["train_apex_recipe.py", "--opt-level", "O3"],
@@ -112,10 +113,10 @@ def apex_o3(torchrun: Torchrun, runs: Path) -> Pair:
 
 
 @pytest.fixture(scope="module")
-def apex_o2_apex_ddp(torchrun: Torchrun, runs: Path) -> Pair:
+def apex_o2_apex_ddp(preloaded: Preloaded, runs: Path) -> Pair:
     """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under apex.parallel.DistributedDataParallel."""
     return train_pair(
-        torchrun,
+        preloaded,
         runs / "apex-O2-apex-ddp",
         envddp=["--precision", "apex-O2", "--ddp-impl", "apex"],
         reference=["train_apex_recipe.py", "--opt-level", "O2", "--ddp-impl", "apex"],
@@ -123,10 +124,10 @@ def apex_o2_apex_ddp(torchrun: Torchrun, runs: Path) -> Pair:
 
 
 @pytest.fixture(scope="module")
-def native_fp16(torchrun: Torchrun, runs: Path) -> Pair:
+def native_fp16(preloaded: Preloaded, runs: Path) -> Pair:
     """torch.autocast(float16) with a GradScaler."""
     return train_pair(
-        torchrun,
+        preloaded,
         runs / "native-fp16",
         envddp=["--precision", "plugin", "--dtype", "float16"],
         reference=["train_native_recipe.py", "--dtype", "float16"],
@@ -134,10 +135,10 @@ def native_fp16(torchrun: Torchrun, runs: Path) -> Pair:
 
 
 @pytest.fixture(scope="module")
-def native_bf16(torchrun: Torchrun, runs: Path) -> Pair:
+def native_bf16(preloaded: Preloaded, runs: Path) -> Pair:
     """torch.autocast(bfloat16), no loss scaling."""
     return train_pair(
-        torchrun,
+        preloaded,
         runs / "native-bf16",
         envddp=["--precision", "plugin", "--dtype", "bfloat16"],
         reference=["train_native_recipe.py", "--dtype", "bfloat16"],
