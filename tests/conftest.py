@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -318,7 +319,8 @@ class Preloaded:
 
     @staticmethod
     def _start() -> subprocess.Popen[str]:
-        return subprocess.Popen(
+        """Start the server and wait for its imports, so that a run's timeout is the run's own."""
+        server = subprocess.Popen(
             [sys.executable, str(WORKERS / "fork_server.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -326,11 +328,31 @@ class Preloaded:
             env=worker_env(apex_double=True),
             start_new_session=True,
         )
+        assert server.stdout is not None
+        ready, _, _ = select.select([server.stdout], [], [], 180)
+        if not ready or json.loads(server.stdout.readline() or "{}") != {"ready": True}:
+            kill(server)
+            pytest.fail(f"the fork server did not start within 180 s (exit code {server.poll()})")
+        return server
 
-    def run(self, script: str, *args: str, log: Path, nproc: int = 2, timeout: float = 180) -> Ranks:
-        """Run ``script *args`` on ``nproc`` ranks of one node; their output goes to ``log``/rank<N>.log."""
+    def run(
+        self,
+        script: str,
+        *args: str,
+        log: Path,
+        nproc: int = 2,
+        timeout: float = 180,
+        env: Sequence[dict[str, str]] | None = None,
+    ) -> Ranks:
+        """Run ``script *args`` on ``nproc`` ranks of one node; their output goes to ``log``/rank<N>.log.
+
+        Each rank gets torchrun's variables, or, given ``env``, rank N gets ``env[N]`` (another launcher's).
+        """
         log.mkdir(parents=True, exist_ok=True)
-        request = {"script": str(WORKERS / script), "args": list(args), "nproc": nproc, "port": free_port()}
+        request: dict[str, Any] = {"script": str(WORKERS / script), "args": list(args), "nproc": nproc}
+        request["port"] = free_port()
+        if env is not None:
+            request["env"] = list(env)
         if self.server.poll() is not None:  # closed after an earlier run hung
             self.server = self._start()
         assert self.server.stdin is not None and self.server.stdout is not None
@@ -346,7 +368,9 @@ class Preloaded:
             pytest.fail(f"{script} {' '.join(args)} {why}:\n{said}")
         return Ranks(json.loads(answer)["returncodes"], logs)
 
-    def reference(self, script: str, *args: str, out: Path, saves: str = "reference.pt", timeout: float = 120) -> Path:
+    def reference(
+        self, script: str, *args: str, out: Path, saves: str = "reference.pt", nproc: int = 2, timeout: float = 120
+    ) -> Path:
         """Run a hand-written reference worker with ``--out out``; judged by what it saved, as :func:`run_reference`.
 
         A reference that saved and then hung in the recipe's plain teardown (torch 2.1) is ended with the server.
@@ -354,7 +378,7 @@ class Preloaded:
         out.mkdir(parents=True, exist_ok=True)
         saved = out / saves
         try:
-            ranks = self.run(script, "--out", str(out), *args, log=out / "logs", timeout=timeout)
+            ranks = self.run(script, "--out", str(out), *args, log=out / "logs", nproc=nproc, timeout=timeout)
         except pytest.fail.Exception:
             if not saved.exists():
                 raise

@@ -1,12 +1,14 @@
-"""Real ranks under torchrun on gloo: equivalence with the hand-written recipe, sharding, rank-zero writes,
-two simulated nodes, clean exits. Each launch is shared by the tests that read its results."""
+"""Real ranks on gloo: equivalence with the hand-written recipe, sharding, rank-zero writes, two simulated nodes,
+clean exits. Each launch is shared by the tests that read its results.
+
+The one-node runs fork their ranks from an interpreter that already imported torch and Lightning (conftest.Preloaded),
+with torchrun's variables; torchrun itself starts the two nodes, the self-launch and the ten-run exit loop, which
+are about its agent."""
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,14 +17,13 @@ import pytest
 import torch
 from conftest import (
     WORKERS,
+    Preloaded,
     Torchrun,
     check,
     finish,
     free_port,
     max_abs_difference,
-    run_reference,
     start_python,
-    worker_env,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -39,38 +40,38 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "weights.pt")
 
 
-def launch(torchrun: Torchrun, tmp: Path, script: str, *args: str, **kwargs: Any) -> Path:
+def launch(preloaded: Preloaded, tmp: Path, script: str, *args: str) -> Path:
     tmp.mkdir(parents=True)
-    check(torchrun.run(script, "--out", str(tmp), *args, **kwargs))
+    preloaded.run(script, "--out", str(tmp), *args, log=tmp / "logs").check()
     return tmp
 
 
 @pytest.fixture(scope="module")
-def recipe(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def recipe(preloaded: Preloaded, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plain-PyTorch recipe, 2 ranks, 4 samples per rank per step."""
     out = tmp_path_factory.mktemp("recipe") / "out"
-    return run_reference(torchrun, "train_recipe.py", "--batch-size", "4", out=out, saves="weights.pt").parent
+    return preloaded.reference("train_recipe.py", "--batch-size", "4", out=out, saves="weights.pt").parent
 
 
 @pytest.fixture(scope="module")
-def envddp(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def envddp(preloaded: Preloaded, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same training with Trainer(strategy=EnvDDPStrategy()), checkpointing and logging on."""
     return launch(
-        torchrun, tmp_path_factory.mktemp("envddp") / "out", "train_envddp.py", "--batch-size", "4", "--write"
+        preloaded, tmp_path_factory.mktemp("envddp") / "out", "train_envddp.py", "--batch-size", "4", "--write"
     )
 
 
 @pytest.fixture(scope="module")
-def envddp_split(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def envddp_split(preloaded: Preloaded, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A global batch of 8 split over 2 ranks, and exact evaluation."""
     out = tmp_path_factory.mktemp("split") / "out"
-    return launch(torchrun, out, "train_envddp.py", "--batch-size", "8", "--split-batches", "--exact-eval")
+    return launch(preloaded, out, "train_envddp.py", "--batch-size", "8", "--split-batches", "--exact-eval")
 
 
 @pytest.fixture(scope="module")
-def scenarios(torchrun: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def scenarios(preloaded: Preloaded, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Several Trainers, one after another, on the same 2 ranks (see workers/scenarios.py)."""
-    return reports(launch(torchrun, tmp_path_factory.mktemp("scenarios") / "out", "scenarios.py"))
+    return reports(launch(preloaded, tmp_path_factory.mktemp("scenarios") / "out", "scenarios.py"))
 
 
 #: A reference worker's save: the temporary file first, then renamed into place (what makes it atomic).
@@ -85,18 +86,18 @@ RENAME = "os.replace(path + '.tmp', path)\n"
 ABORT = "os.abort()\n"
 
 
-def test_a_reference_that_aborts_after_saving_is_judged_by_what_it_saved(torchrun: Torchrun, tmp_path: Path) -> None:
+def test_a_reference_that_aborts_after_saving_is_judged_by_what_it_saved(preloaded: Preloaded, tmp_path: Path) -> None:
     script = tmp_path / "saves_then_aborts.py"
     script.write_text(WRITE_TEMPORARY + RENAME + ABORT)
-    saved = run_reference(torchrun, str(script), out=tmp_path / "out", nproc=1, timeout=60)
+    saved = preloaded.reference(str(script), out=tmp_path / "out", nproc=1, timeout=60)
     assert saved.read_text() == "complete"
 
 
-def test_a_reference_that_aborts_before_its_save_is_complete_fails(torchrun: Torchrun, tmp_path: Path) -> None:
+def test_a_reference_that_aborts_before_its_save_is_complete_fails(preloaded: Preloaded, tmp_path: Path) -> None:
     script = tmp_path / "aborts_while_saving.py"
     script.write_text(WRITE_TEMPORARY + ABORT)
     with pytest.raises(pytest.fail.Exception, match=r"saved no reference\.pt"):
-        run_reference(torchrun, str(script), out=tmp_path / "out", nproc=1, timeout=60)
+        preloaded.reference(str(script), out=tmp_path / "out", nproc=1, timeout=60)
     assert (tmp_path / "out" / "reference.pt.tmp").exists()
 
 
@@ -104,10 +105,12 @@ def test_envddp_ends_with_the_recipes_weights(recipe: Path, envddp: Path) -> Non
     assert max_abs_difference(weights(recipe), weights(envddp)) <= TOLERANCE
 
 
-def test_pytorch_lightning_ends_with_the_recipes_weights(recipe: Path, torchrun: Torchrun, tmp_path: Path) -> None:
+def test_pytorch_lightning_ends_with_the_recipes_weights(recipe: Path, preloaded: Preloaded, tmp_path: Path) -> None:
     # `import pytorch_lightning as pl`: the standalone package's Trainer, with the plugins built for it.
     pytest.importorskip("pytorch_lightning")
-    out = launch(torchrun, tmp_path / "out", "train_envddp.py", "--batch-size", "4", "--namespace", "pytorch_lightning")
+    out = launch(
+        preloaded, tmp_path / "out", "train_envddp.py", "--batch-size", "4", "--namespace", "pytorch_lightning"
+    )
     classes = {(r["trainer_class"], r["strategy_class"]) for r in reports(out)}
     assert classes == {("pytorch_lightning.trainer.trainer.Trainer", "lightning_ddp_amp.pytorch_lightning.strategy.EnvDDPStrategy")}  # fmt: skip
     assert max_abs_difference(weights(recipe), weights(out)) <= TOLERANCE
@@ -208,9 +211,11 @@ def test_a_later_trainer_on_the_same_group_saves_and_stops_together_on_sigterm(
         assert preempted["saved"][0].startswith("preempted-step=")
 
 
-def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(torchrun: Torchrun, tmp_path: Path) -> None:
-    recipe4 = run_reference(
-        torchrun, "train_recipe.py", "--batch-size", "4", out=tmp_path / "recipe4", saves="weights.pt", nproc=4
+def test_two_nodes_of_two_ranks_match_the_four_rank_recipe(
+    torchrun: Torchrun, preloaded: Preloaded, tmp_path: Path
+) -> None:
+    recipe4 = preloaded.reference(
+        "train_recipe.py", "--batch-size", "4", out=tmp_path / "recipe4", saves="weights.pt", nproc=4
     ).parent
     out = tmp_path / "nodes"
     out.mkdir()
@@ -266,12 +271,12 @@ def simulated_launcher(launcher: str, rank: int, job_id: str, port: int) -> dict
 
 
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
-def test_srun_and_mpirun_ranks_end_with_the_recipes_weights(recipe: Path, launcher: str, tmp_path: Path) -> None:
+def test_srun_and_mpirun_ranks_end_with_the_recipes_weights(
+    recipe: Path, launcher: str, preloaded: Preloaded, tmp_path: Path
+) -> None:
     job_id, port = free_slurm_job_id(), free_port()
-    command = (str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4")
-    ranks = [start_python(*command, env=simulated_launcher(launcher, rank, job_id, port)) for rank in (0, 1)]
-    for process in ranks:
-        check(finish(process, timeout=240))
+    variables = [simulated_launcher(launcher, rank, job_id, port) for rank in (0, 1)]
+    preloaded.run("train_envddp.py", "--out", str(tmp_path), "--batch-size", "4", log=tmp_path, env=variables).check()
     seen = {(r["rank"], r["local_rank"], r["node_rank"], r["world_size"], r["launcher"]) for r in reports(tmp_path)}
     if launcher == "srun":
         assert seen == {(0, 0, 0, 2, "srun"), (1, 0, 1, 2, "srun")}
@@ -307,30 +312,17 @@ def test_plain_python_with_two_devices_starts_its_own_ranks_and_ends_with_the_re
     )
 
 
-def test_plain_python_trains_as_one_process(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(WORKERS / "train_envddp.py"),
-            "--out",
-            str(tmp_path),
-            "--batch-size",
-            "4",
-            "--epochs",
-            "1",
-        ],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_plain_python_trains_as_one_process(preloaded: Preloaded, tmp_path: Path) -> None:
+    command = ("train_envddp.py", "--out", str(tmp_path), "--batch-size", "4", "--epochs", "1")
+    preloaded.run(*command, log=tmp_path, nproc=1, env=[{}]).check()  # no launcher's variables
     (report,) = reports(tmp_path)
     assert (report["world_size"], report["num_devices"]) == (1, 1)
     assert sorted(report["train_indices"]["0"]) == list(range(64))
 
 
-def test_bad_launcher_variable_stops_the_process_without_waiting_for_peers(tmp_path: Path) -> None:
+def test_bad_launcher_variable_stops_the_process_without_waiting_for_peers(
+    preloaded: Preloaded, tmp_path: Path
+) -> None:
     # Nothing listens on this port: a process that tried to rendezvous before validating would hang here.
     env = {
         "RANK": "2",
@@ -339,10 +331,11 @@ def test_bad_launcher_variable_stops_the_process_without_waiting_for_peers(tmp_p
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
     }
-    process = start_python(str(WORKERS / "train_envddp.py"), "--out", str(tmp_path), "--batch-size", "4", env=env)
-    result = finish(process, timeout=60)
-    assert result.returncode == 1
-    assert "LauncherEnvironmentError: RANK='2': it must be below WORLD_SIZE=2" in result.stdout
+    ranks = preloaded.run(
+        "train_envddp.py", "--out", str(tmp_path), "--batch-size", "4", log=tmp_path, nproc=1, env=[env], timeout=60
+    )
+    assert ranks.returncodes == [1]
+    assert "LauncherEnvironmentError: RANK='2': it must be below WORLD_SIZE=2" in ranks.logs[0]
 
 
 def test_finished_runs_exit_zero_every_time(torchrun: Torchrun, tmp_path: Path) -> None:

@@ -5,12 +5,12 @@ Lightning and torchmetrics costs about 6 s a process here, a launch under torchr
 a test run often takes 2 s. conftest.Preloaded drives this server.
 
 The server computes nothing (no thread pool starts), so forking it is safe. It reads one JSON request a line on
-standard input::
+standard input (it says ``{"ready": true}`` first, once its imports are done)::
 
-    {"script": PATH, "args": [...], "nproc": 2, "port": 29500, "log": DIR}
+    {"script": PATH, "args": [...], "nproc": 2, "port": 29500, "log": DIR, "env": [{...}, ...]}
 
-forks ``nproc`` ranks, each with torchrun's variables for one node (RANK, LOCAL_RANK, WORLD_SIZE, ...) and its
-output in DIR/rank<RANK>.log, runs the script in each as ``__main__``, waits for them, and answers one JSON line
+forks ``nproc`` ranks, each with torchrun's variables for one node (RANK, LOCAL_RANK, WORLD_SIZE, ...) or, where
+the request has ``env``, with another launcher's variables from it, and its output in DIR/rank<RANK>.log, runs the script in each as ``__main__``, waits for them, and answers one JSON line
 ``{"returncodes": [...]}``. A rank ends as an interpreter ends (its atexit functions run), with the script's exit
 status; as under torchrun, the first rank to fail ends the others.
 """
@@ -40,7 +40,9 @@ def run_rank(request: dict, rank: int) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(
-        {
+        request["env"][rank]
+        if "env" in request
+        else {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(request["nproc"]),
@@ -73,6 +75,7 @@ def run_rank(request: dict, rank: int) -> None:
 
 
 def main() -> None:
+    print(json.dumps({"ready": True}), flush=True)  # imported: a request's time is its run's alone
     for line in sys.stdin:
         request = json.loads(line)
         pids = []
