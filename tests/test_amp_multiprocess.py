@@ -1,4 +1,4 @@
-"""AmpPrecision on real ranks (torchrun, gloo): overflows, skipped steps and resuming, with apex through its CPU
+"""AmpPrecision on real ranks (gloo, forked from the preloaded interpreter): overflows, skipped steps and resuming, with apex through its CPU
 test double and with native AMP on the CPU. test_apex_reference.py compares whole runs with the recipe by hand."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Torchrun, check, needs_cpu_fp16
+from conftest import Preloaded, needs_cpu_fp16
 
 # Every run here computes in float16 on the CPU: the apex double's O1, native fp16 AMP.
 pytestmark = [pytest.mark.multiprocess, needs_cpu_fp16]
 
 
-def train(torchrun: Torchrun, out: Path, *args: str, apex_double: bool = False) -> list[dict[str, Any]]:
+def train(preloaded: Preloaded, out: Path, *args: str) -> list[dict[str, Any]]:
     out.mkdir(parents=True)
-    check(torchrun.run("train_amp.py", "--out", str(out), *args, apex_double=apex_double))
+    preloaded.run("train_amp.py", "--out", str(out), *args, log=out / "logs").check()
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -31,11 +31,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def apex_interrupted(torchrun: Torchrun, runs: Path) -> list[dict[str, Any]]:
+def apex_interrupted(preloaded: Preloaded, runs: Path) -> list[dict[str, Any]]:
     """One epoch of apex-O1 with an overflow at step 3, checkpointed at the end."""
     out = runs / "apex-interrupted"
     return train(
-        torchrun,
+        preloaded,
         out,
         "--precision",
         "apex-O1",
@@ -44,15 +44,14 @@ def apex_interrupted(torchrun: Torchrun, runs: Path) -> list[dict[str, Any]]:
         "--overflow-at-step",
         "3",
         "--checkpoint",
-        apex_double=True,
     )
 
 
 @pytest.fixture(scope="module")
-def apex_resumed(torchrun: Torchrun, runs: Path, apex_interrupted: Any) -> list[dict[str, Any]]:
+def apex_resumed(preloaded: Preloaded, runs: Path, apex_interrupted: Any) -> list[dict[str, Any]]:
     """A new pair of processes resuming from that checkpoint for a second epoch."""
     checkpoint = str(runs / "apex-interrupted" / "last.ckpt")
-    return train(torchrun, runs / "apex-resumed", "--precision", "apex-O1", "--resume", checkpoint, apex_double=True)
+    return train(preloaded, runs / "apex-resumed", "--precision", "apex-O1", "--resume", checkpoint)
 
 
 def overflow_steps(report: dict[str, Any]) -> list[int]:
@@ -83,15 +82,15 @@ def test_resume_restores_the_amp_state_after_initialize(apex_interrupted: Any, a
 
 
 @pytest.fixture(scope="module")
-def native_interrupted(torchrun: Torchrun, runs: Path) -> list[dict[str, Any]]:
+def native_interrupted(preloaded: Preloaded, runs: Path) -> list[dict[str, Any]]:
     out = runs / "native-interrupted"
-    return train(torchrun, out, "--precision", "plugin", "--epochs", "1", "--overflow-at-step", "3", "--checkpoint")
+    return train(preloaded, out, "--precision", "plugin", "--epochs", "1", "--overflow-at-step", "3", "--checkpoint")
 
 
 @pytest.fixture(scope="module")
-def native_resumed(torchrun: Torchrun, runs: Path, native_interrupted: Any) -> list[dict[str, Any]]:
+def native_resumed(preloaded: Preloaded, runs: Path, native_interrupted: Any) -> list[dict[str, Any]]:
     checkpoint = str(runs / "native-interrupted" / "last.ckpt")
-    return train(torchrun, runs / "native-resumed", "--precision", "plugin", "--resume", checkpoint)
+    return train(preloaded, runs / "native-resumed", "--precision", "plugin", "--resume", checkpoint)
 
 
 def test_native_fp16_trains_in_half_precision_on_two_cpu_ranks(native_interrupted: Any) -> None:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Torchrun, check
+from conftest import Preloaded
 
 pytestmark = pytest.mark.multiprocess
 
@@ -62,20 +62,20 @@ SETUP_ONLY = {
 }
 
 
-def per_step_calls(torchrun: Torchrun, out: Path, *args: str) -> dict[str, float]:
+def per_step_calls(preloaded: Preloaded, out: Path, *args: str) -> dict[str, float]:
     out.mkdir()
-    check(torchrun.run("count_calls.py", "--out", str(out), *args))
+    preloaded.run("count_calls.py", "--out", str(out), *args, log=out / "logs").check()
     return json.loads((out / "rank0.json").read_text())  # type: ignore[no-any-return]
 
 
-def test_fp32_steps_do_only_the_documented_work(torchrun: Torchrun, tmp_path: Path) -> None:
-    calls = per_step_calls(torchrun, tmp_path / "fp32")
+def test_fp32_steps_do_only_the_documented_work(preloaded: Preloaded, tmp_path: Path) -> None:
+    calls = per_step_calls(preloaded, tmp_path / "fp32")
     assert set(calls) <= DOCUMENTED, sorted(set(calls) - DOCUMENTED)
     assert not set(calls) & SETUP_ONLY
     assert calls["data._ResumesMidEpoch.__iter__"] < 1  # once per epoch of 8 steps
 
 
-def test_amp_steps_do_only_the_documented_work(torchrun: Torchrun, tmp_path: Path) -> None:
-    calls = per_step_calls(torchrun, tmp_path / "amp", "--amp")
+def test_amp_steps_do_only_the_documented_work(preloaded: Preloaded, tmp_path: Path) -> None:
+    calls = per_step_calls(preloaded, tmp_path / "amp", "--amp")
     assert set(calls) <= DOCUMENTED_AMP, sorted(set(calls) - DOCUMENTED_AMP)
     assert not set(calls) & SETUP_ONLY
