@@ -300,6 +300,16 @@ class Ranks:
     returncodes: list[int]
     logs: list[str]
 
+    @property
+    def returncode(self) -> int:
+        """The first failing rank's exit status, or 0: what torchrun's agent ends with, roughly."""
+        return next((code for code in self.returncodes if code != 0), 0)
+
+    @property
+    def stdout(self) -> str:
+        """Every rank's output, rank by rank."""
+        return "\n".join(self.logs)
+
     def check(self) -> Ranks:
         assert self.returncodes == [0] * len(self.returncodes), "\n".join(
             f"--- rank {rank} exited {code}:\n{log[-4000:]}"

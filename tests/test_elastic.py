@@ -1,4 +1,4 @@
-"""Elastic resume with real processes: a checkpoint saved mid-epoch on W ranks continues on W' ranks through
+"""Elastic resume with real processes (forked from the preloaded interpreter, conftest.Preloaded): a checkpoint saved mid-epoch on W ranks continues on W' ranks through
 ``Trainer.fit`` (workers/train_elastic.py), each remaining sample trained once, counted per sample index.
 
 The pad rule these tests count with (docs/resume.md, "On another number of ranks"): the rest of the epoch is padded to a multiple of W' with
@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import WORKERS, Torchrun, check, finish, max_abs_difference, start_python
+from conftest import Preloaded, Ranks, max_abs_difference
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -26,16 +25,15 @@ SCRIPT = "train_elastic.py"
 WEIGHTS_TOLERANCE = 1e-5
 
 
-def start(torchrun: Torchrun, out: Path, ranks: int, *args: str, plain: bool = False) -> subprocess.Popen[str]:
-    """One start of the worker on ``ranks`` ranks (torchrun), or as a plain one-process ``python train.py``."""
+def run(preloaded: Preloaded, out: Path, ranks: int, *args: str, plain: bool = False, check: bool = True) -> Ranks:
+    """One start of the worker on ``ranks`` ranks with torchrun's variables, or as a plain one-process
+    ``python train.py`` (no launcher's variables), forked from the preloaded interpreter."""
     out.mkdir(parents=True, exist_ok=True)
-    if plain:
-        return start_python(str(WORKERS / SCRIPT), "--out", str(out), *args)
-    return torchrun.start(SCRIPT, "--out", str(out), *args, nproc=ranks)
-
-
-def run(torchrun: Torchrun, out: Path, ranks: int, *args: str, plain: bool = False) -> subprocess.CompletedProcess[str]:
-    return check(finish(start(torchrun, out, ranks, *args, plain=plain), timeout=240))
+    env = [{}] if plain else None
+    ranks_run = preloaded.run(
+        SCRIPT, "--out", str(out), *args, nproc=ranks, env=env, log=out / "logs" / args[args.index("--tag") + 1]
+    )
+    return ranks_run.check() if check else ranks_run
 
 
 def lines(out: Path, tag: str) -> list[dict[str, Any]]:
@@ -90,7 +88,7 @@ def batches(samples: int, ranks: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def saved_by(tmp_path_factory: pytest.TempPathFactory, torchrun: Torchrun) -> dict[int, Path]:
+def saved_by(tmp_path_factory: pytest.TempPathFactory, preloaded: Preloaded) -> dict[int, Path]:
     """Runs of 2 and of 4 ranks that stopped at steps 3 and 2 of the first of 2 epochs, each with its checkpoint.
 
     Their OneCycleLR is sized for 2 epochs on one process (22 steps), which every resume here stays within.
@@ -99,7 +97,7 @@ def saved_by(tmp_path_factory: pytest.TempPathFactory, torchrun: Torchrun) -> di
     for ranks, steps in ((2, 3), (4, 2)):
         out = tmp_path_factory.mktemp(f"saved-by-{ranks}")
         stop = ("--every", str(steps), "--max-steps", str(steps))
-        run(torchrun, out, ranks, "--tag", "saved", *stop, "--epochs", "2", *ONE_CYCLE)
+        run(preloaded, out, ranks, "--tag", "saved", *stop, "--epochs", "2", *ONE_CYCLE)
         runs[ranks] = out
     return runs
 
@@ -110,14 +108,14 @@ def saved_by(tmp_path_factory: pytest.TempPathFactory, torchrun: Torchrun) -> di
     ids=["2-to-1", "2-to-3", "4-to-2"],
 )
 def test_a_mid_epoch_checkpoint_continues_on_another_number_of_ranks_training_each_remaining_sample_once(
-    saved_by: dict[int, Path], torchrun: Torchrun, saved_ranks: int, ranks: int
+    saved_by: dict[int, Path], preloaded: Preloaded, saved_ranks: int, ranks: int
 ) -> None:
     source = saved_by[saved_ranks]
     (ckpt,) = (source / "checkpoints").glob("*.ckpt")
     out = source / f"on-{ranks}"
     tag = f"on{ranks}"
     resume = ("--tag", tag, "--ckpt", str(ckpt), "--epochs", "2", "--val-every", "2", *ONE_CYCLE)
-    result = run(torchrun, out, ranks, *resume, plain=ranks == 1)
+    result = run(preloaded, out, ranks, *resume, plain=ranks == 1)
     saved, resumed = lines(source, "saved"), lines(out, tag)
     saved_steps = len({r["step"] for r in saved})
     left = N - saved_steps * BATCH * saved_ranks  # the samples the saved steps did not train
@@ -144,13 +142,13 @@ def test_a_mid_epoch_checkpoint_continues_on_another_number_of_ranks_training_ea
 
 
 def test_the_rest_of_the_epoch_follows_the_order_of_a_sampler_and_batch_sampler_of_the_script(
-    torchrun: Torchrun, tmp_path: Path
+    preloaded: Preloaded, tmp_path: Path
 ) -> None:
     # A sampler of the script's own under a BatchSampler subclass: on 2 ranks envddp shards it with
     # DistributedSamplerWrapper; one process continuing it gets one replica of the wrapper, which yields its order.
-    run(torchrun, tmp_path, 2, "--tag", "saved", "--order", "custom", "--every", "3", "--max-steps", "3")
+    run(preloaded, tmp_path, 2, "--tag", "saved", "--order", "custom", "--every", "3", "--max-steps", "3")
     ckpt = str(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")
-    run(torchrun, tmp_path, 1, "--tag", "alone", "--order", "custom", "--ckpt", ckpt, "--epochs", "2", plain=True)
+    run(preloaded, tmp_path, 1, "--tag", "alone", "--order", "custom", "--ckpt", ckpt, "--epochs", "2", plain=True)
     saved, resumed = lines(tmp_path, "saved"), lines(tmp_path, "alone")
     order = sorted(range(N), key=lambda i: (i % 3, -i))  # the script's sampler's order
     assert first_samples(saved, 2, 2 * BATCH) == order[: 2 * BATCH]
@@ -166,9 +164,9 @@ SPLIT = ("--split", "--samples", "64", "--batch", "8", "--accumulate", "2", "--e
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, torchrun: Torchrun) -> Path:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, preloaded: Preloaded) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted")
-    run(torchrun, out, 2, "--tag", "whole", *SPLIT)
+    run(preloaded, out, 2, "--tag", "whole", *SPLIT)
     return out
 
 
@@ -181,17 +179,15 @@ def global_batches(records: list[dict[str, Any]]) -> dict[int, set[int]]:
 
 
 def test_killed_on_two_ranks_and_restarted_on_one_a_split_batches_run_reaches_the_uninterrupted_weights(
-    uninterrupted: Path, torchrun: Torchrun, tmp_path: Path
+    uninterrupted: Path, preloaded: Preloaded, tmp_path: Path
 ) -> None:
     # torchrun --nproc-per-node=2 with auto_resume, rank 1 killed after step 3 (the checkpoint is of step 2); then
     # the same command with --nproc-per-node=1.
     elastic = ("--auto-resume", "--every", "2", *SPLIT)
-    killed = finish(start(torchrun, tmp_path, 2, "--tag", "killed", *elastic, "--kill-at-step", "3"), timeout=240)
+    killed = run(preloaded, tmp_path, 2, "--tag", "killed", *elastic, "--kill-at-step", "3", check=False)
     assert killed.returncode != 0
     ckpt = tmp_path / "checkpoints" / "epoch=0-step=2.ckpt"
-    result = check(
-        finish(torchrun.start(SCRIPT, "--out", str(tmp_path), "--tag", "one", *elastic, nproc=1), timeout=240)
-    )
+    result = run(preloaded, tmp_path, 1, "--tag", "one", *elastic)
     assert f"envddp: auto_resume continues from {ckpt}" in result.stdout
     # The global batches after the checkpoint are the uninterrupted run's, accumulated into the same steps, to the
     # end of training: the rest of the first epoch, then the second, which one process draws from the sampler the
@@ -208,19 +204,19 @@ def test_killed_on_two_ranks_and_restarted_on_one_a_split_batches_run_reaches_th
     (position,) = moved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     position["samples"] += 8
     torch.save(moved, tmp_path / "one-batch-off.ckpt")
-    run(torchrun, tmp_path, 1, "--tag", "off", *SPLIT, "--ckpt", str(tmp_path / "one-batch-off.ckpt"), plain=True)
+    run(preloaded, tmp_path, 1, "--tag", "off", *SPLIT, "--ckpt", str(tmp_path / "one-batch-off.ckpt"), plain=True)
     assert max_abs_difference(weights(uninterrupted, "whole"), weights(tmp_path, "off")) > 100 * WEIGHTS_TOLERANCE
 
 
 def test_killed_as_one_process_and_restarted_on_two_ranks_each_remaining_sample_trains_once(
-    torchrun: Torchrun, tmp_path: Path
+    preloaded: Preloaded, tmp_path: Path
 ) -> None:
     # torchrun --nproc-per-node=1 (one process: the DataLoader keeps its own RandomSampler), killed after step 3 of
     # 11, then --nproc-per-node=2 with the same command: the rest of the RandomSampler's epoch, on two ranks.
     elastic = ("--auto-resume", "--every", "3", "--epochs", "2")
-    killed = finish(start(torchrun, tmp_path, 1, "--tag", "killed", *elastic, "--kill-at-step", "3"), timeout=240)
+    killed = run(preloaded, tmp_path, 1, "--tag", "killed", *elastic, "--kill-at-step", "3", check=False)
     assert killed.returncode != 0
-    result = run(torchrun, tmp_path, 2, "--tag", "two", *elastic)
+    result = run(preloaded, tmp_path, 2, "--tag", "two", *elastic)
     assert "continues from" in result.stdout
     saved = [r for r in lines(tmp_path, "killed") if r["step"] < 3]
     left = N - 3 * BATCH
@@ -229,13 +225,13 @@ def test_killed_as_one_process_and_restarted_on_two_ranks_each_remaining_sample_
 
 
 def test_a_schedule_sized_by_total_steps_that_the_resume_would_outrun_stops_it_before_a_sample(
-    saved_by: dict[int, Path], torchrun: Torchrun
+    saved_by: dict[int, Path], preloaded: Preloaded
 ) -> None:
     # The 2-rank run's OneCycleLR has 19 of its 22 steps left; one process with 3 epochs takes 5 + 2 * 11 = 27.
     source = saved_by[2]
     ckpt = source / "checkpoints" / "epoch=0-step=3.ckpt"
     resume = ("--tag", "outrun", "--ckpt", str(ckpt), "--epochs", "3", *ONE_CYCLE)
-    result = finish(start(torchrun, source / "outrun", 1, *resume, plain=True), 240)
+    result = run(preloaded, source / "outrun", 1, *resume, plain=True, check=False)
     assert result.returncode != 0
     assert (
         f"CheckpointError: ckpt_path='{ckpt}': it was saved by 2 rank(s), and on 1 the rest of this fit takes 27"
