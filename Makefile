@@ -62,7 +62,7 @@ LEG_VENVS := build/venvs
 # against the leg's table [NAME] in .ci/minimums.toml.
 define leg
 	$(1)/bin/python .ci/leg.py versions $(2)
-	$(1)/bin/python -m pytest --junitxml=$(REPORTS)/$(3).xml $(4)
+	$(1)/bin/python -m pytest --durations=25 --junitxml=$(REPORTS)/$(3).xml $(4)
 	$(1)/bin/python .ci/leg.py passed $(REPORTS)/$(3).xml $(3)
 endef
 
