@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import free_port, worker_env
+from conftest import worker_env
 
 REPO = Path(__file__).parents[1]
-# Starts real ranks (the demo under torchrun) and a pytest run of its own.
+# Builds and installs the wheel, and starts a pytest run of its own against it.
 pytestmark = pytest.mark.multiprocess
 
 #: In-process tests that exercise the installed package without starting ranks, run against the wheel.
@@ -161,16 +161,6 @@ def test_the_console_script_reports_the_environment(venv: Venv) -> None:
     result = venv.run(venv.root / "bin" / "lightning-ddp-amp", "env")
     assert result.returncode == 0, result.stdout[-6000:]
     assert "lightning-ddp-amp 0.1.0 environment report" in result.stdout
-
-
-def test_the_demo_trains_on_two_ranks_from_the_wheel(venv: Venv) -> None:
-    # `make demo`'s command; `python -m torch.distributed.run` is what the `torchrun` script runs.
-    torchrun = [venv.python, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    result = venv.run(*torchrun, "--master-addr=127.0.0.1", f"--master-port={free_port()}", "examples/train_mlp.py")
-    assert result.returncode == 0, result.stdout[-6000:]
-    assert "rank 0/2 (launched by torchrun" in result.stdout
-    assert "rank 1/2 (launched by torchrun" in result.stdout
-    assert "final loss" in result.stdout
 
 
 def test_core_tests_pass_against_the_wheel(venv: Venv) -> None:
