@@ -51,6 +51,13 @@ LAUNCHER_ENV = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist (`-n 2`), the controller rebuilds each warning a worker recorded by importing its category's
+    # module: the apex double's own categories need the double importable there. The controller runs no test.
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        sys.path.append(str(DOUBLES))
+
+
 @pytest.fixture(autouse=True)
 def clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """In-process tests see no launcher variables unless they set them, and leave rank-zero state as found."""

@@ -60,10 +60,18 @@ def test_no_script_file_is_an_error_naming_the_fix(argv0: str) -> None:
     assert "torchrun --nproc-per-node=N train.py" in raised.value.fix
 
 
-def test_pytest_is_never_run_again_on_every_rank() -> None:
-    # This very process: pytest's __main__.
+@pytest.mark.parametrize(
+    ("main", "argv0"),
+    [
+        (main_module("/venv/lib/python3.11/site-packages/pytest/__main__.py", "pytest.__main__"), "-m"),
+        (main_module("/venv/bin/pytest"), "/venv/bin/pytest"),
+    ],
+    ids=["python -m pytest", "the pytest script"],
+)
+def test_pytest_is_never_run_again_on_every_rank(main: types.ModuleType, argv0: str) -> None:
+    # As pytest's own process sets up __main__ (a pytest-xdist worker is `python -c`: no script file, refused too).
     with pytest.raises(StrategyConfigurationError, match="every rank would run the whole test session"):
-        selflaunch.script_command()
+        selflaunch.script_command(main, [argv0, "tests/"])
 
 
 def test_the_agent_of_a_self_launch_prints_only_what_it_does(
