@@ -111,6 +111,17 @@ MUTATIONS = (
     ),
     # --- atomic checkpoint writes -----------------------------------------------------------------------------
     Mutation(
+        "checkpoint-written-in-place",
+        "the checkpoint is written straight over the target: a save that fails halfway destroys the previous one",
+        "resume.py",
+        '        temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")\n'
+        "        # Created as open() creates files, 0o666 less the umask (tempfile.mkstemp would give 0o600).\n"
+        '        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)\n',
+        "        temporary = target\n"
+        '        handle = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)\n',
+        ("tests/test_resume.py::test_a_save_that_fails_halfway_leaves_the_previous_checkpoint_as_it_was",),
+    ),
+    Mutation(
         "checkpoint-not-fsynced",
         "the os.fsync before the rename is gone: a power loss after it can leave an empty file under the name",
         "resume.py",
@@ -119,6 +130,14 @@ MUTATIONS = (
         ("tests/test_resume.py::test_the_whole_checkpoint_reaches_the_disk_before_it_is_renamed_into_place",),
     ),
     # --- exit statuses ----------------------------------------------------------------------------------------
+    Mutation(
+        "preempted-rank-exits-0",
+        "a rank that saved on SIGTERM raises Lightning's SIGTERMException bare, so it exits 0 instead of 143",
+        "resume.py",
+        "            raise SIGTERMException(128 + signum)\n",
+        "            raise SIGTERMException()\n",
+        ("tests/test_resume.py::test_a_sigterm_during_training_saves_a_checkpoint_and_exits_128_plus_the_signal",),
+    ),
     # --- compare: its verdict and the first-batch check -------------------------------------------------------
     Mutation(
         "compare-apart-exits-0",
