@@ -138,6 +138,14 @@ MUTATIONS = (
         "            raise SIGTERMException()\n",
         ("tests/test_resume.py::test_a_sigterm_during_training_saves_a_checkpoint_and_exits_128_plus_the_signal",),
     ),
+    Mutation(
+        "selflaunch-signal-status",
+        "a self-launch whose rank was killed by a signal exits with torchrun's negative code (-9: 247), not 137",
+        "selflaunch.py",
+        "        status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode\n",
+        "        status = failure.exitcode\n",
+        ("tests/test_selflaunch.py::test_a_rank_killed_by_a_signal_makes_the_self_launch_exit_128_plus_the_signal",),
+    ),
     # --- compare: its verdict and the first-batch check -------------------------------------------------------
     Mutation(
         "compare-apart-exits-0",
