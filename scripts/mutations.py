@@ -156,6 +156,14 @@ MUTATIONS = (
         ("tests/test_compare.py::test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1",),
     ),
     Mutation(
+        "compare-loss-tolerance-flipped",
+        "the final loss is apart when it is within the tolerance, and close beyond it",
+        "compare_report.py",
+        "    if final is None or not math.isfinite(final) or final > tolerance.loss:\n",
+        "    if final is None or not math.isfinite(final) or final < tolerance.loss:\n",
+        ("tests/test_compare.py::test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both",),
+    ),
+    Mutation(
         "compare-batch-hash-unchecked",
         "runs whose first training batch differs are compared anyway (the report reads a key the record lacks)",
         "compare_report.py",
