@@ -206,6 +206,14 @@ MUTATIONS = (
         ("tests/test_environment.py::test_second_node_of_a_two_node_torchrun_job",),
     ),
     Mutation(
+        "group-timeout-ignored",
+        "the process group gets torch's 30-minute timeout, not EnvDDPStrategy(timeout=...): a hung peer hangs the job",
+        "process_group.py",
+        "world_size=topology.world_size, timeout=timeout, **binding\n",
+        "world_size=topology.world_size, **binding\n",
+        ("tests/test_strategy.py::test_the_process_group_and_its_store_get_the_strategys_timeout",),
+    ),
+    Mutation(
         "evaluation-initializes-apex",
         "trainer.validate after trainer.fit calls amp.initialize again, which apex allows once per process",
         "precision.py",
