@@ -225,6 +225,14 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "native-clips-scaled-gradients",
+        "native AMP does not unscale before the clipping and the before-step hooks, which see gradients x65536",
+        "precision.py",
+        "        self.amp_backend.unscale(optimizer)\n        _lightning.after_closure(self, model, optimizer)\n",
+        "        _lightning.after_closure(self, model, optimizer)\n",
+        ("tests/test_precision.py::test_native_gradient_clipping_clips_the_unscaled_gradients",),
+    ),
+    Mutation(
         "resumed-epoch-not-set",
         "a run resumed from the end of an epoch reads its next epoch in the finished epoch's order",
         "data.py",
