@@ -459,6 +459,23 @@ def test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_th
     assert [entry["status"] for entry in report["candidates"]] == ["not compared", "not compared"]
 
 
+@pytest.mark.parametrize(
+    ("final", "distance", "status"),
+    [
+        (0.01, 0.04, "close"),
+        (0.03, 0.04, "apart"),
+        (0.01, 0.06, "apart"),
+        (math.nan, 0.0, "apart"),
+        (None, 0.0, "apart"),
+    ],
+)
+def test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both(
+    final: float | None, distance: float, status: str
+) -> None:
+    summary = {"final_loss_relative_difference": final, "weight_distance": distance}
+    assert compare_report._verdict(summary, compare_report.Tolerance(loss=0.02, weights=0.05))[0] == status
+
+
 def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
     learning_rates: LearningRates, tmp_path: Path
 ) -> None:

@@ -825,6 +825,34 @@ def test_gradient_clipping_clips_the_fp32_master_gradients(apex_double: ModuleTy
     assert all(after <= clip * (1 + 1e-6) for _, after in norms)
 
 
+class ClippingRecorder(TwoModels):
+    """Records the norm of every gradient before and after Lightning's clipping, at each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[tuple[float, float]] = []
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        before = torch.cat([p.grad.flatten() for p in self.parameters()]).norm().item()
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.norms.append((before, torch.cat([p.grad.flatten() for p in self.parameters()]).norm().item()))
+
+
+@needs_cpu_fp16
+def test_native_gradient_clipping_clips_the_unscaled_gradients(no_apex: None) -> None:
+    # Until GradScaler.unscale_ they are the loss scale times the true gradients: clipped then, the step would get
+    # gradients the scale times smaller than the clip asked for.
+    clip = 0.05
+    fp32, native = ClippingRecorder(), ClippingRecorder()
+    fit(fp32, gradient_clip_val=clip)
+    fit(native, plugins=[AmpPrecision(backend="native", max_loss_scale=1024.0)], gradient_clip_val=clip)
+    assert native.norms[0][0] == pytest.approx(fp32.norms[0][0], rel=0.01)  # the same first step, in fp16
+    assert all(before > clip for before, _ in native.norms)  # every step had something to clip
+    assert all(after <= clip * (1 + 1e-6) for _, after in native.norms)
+
+
 @needs_cpu_fp16
 def test_a_second_fit_in_the_same_process_is_a_clear_error_naming_the_fit(apex_double: ModuleType) -> None:
     fit(TwoModels(), precision="apex-O1")

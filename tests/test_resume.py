@@ -199,6 +199,24 @@ def test_where_a_directory_cannot_be_opened_the_checkpoint_is_written_without_fl
     assert sorted(os.listdir(tmp_path)) == ["step=3.ckpt"]
 
 
+def test_a_save_that_fails_halfway_leaves_the_previous_checkpoint_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk, or a kill, in the middle of torch.save: the name still holds the last complete checkpoint.
+    target = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint(CHECKPOINT, target)
+
+    def half_written(checkpoint: Any, file: Any) -> None:
+        file.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", half_written)
+    with pytest.raises(OSError, match="No space left on device"):
+        AtomicCheckpointIO().save_checkpoint({**CHECKPOINT, "global_step": 4}, target)
+    assert torch.load(target)["global_step"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
 # --- the position of the training DataLoader, and the layout it counts in ------------------------------------
 
 MID_EPOCH = ResumePoint("/runs/epoch=0-step=3.ckpt", mid_epoch=True, loader_states=1)
@@ -657,6 +675,29 @@ def test_sigterm_during_training_only_raises_a_flag() -> None:
         assert PREEMPTION.agreed()  # one process: no peers to consult
     finally:
         PREEMPTION.stop()
+
+
+class SignalledAfter(Small):
+    """Sends its own process SIGTERM after the training step ``step``, as a scheduler preempting the job would."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_step == self.step:
+            # Guarded: without envddp's handler, SIGTERM would end pytest itself.
+            assert callable(signal.getsignal(signal.SIGTERM)), "envddp did not take SIGTERM over during training"
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_during_training_saves_a_checkpoint_and_exits_128_plus_the_signal(tmp_path: Path) -> None:
+    # The status a shell gives SIGTERM, 143, is what srun, mpirun and torchrun then report for the rank: preempted,
+    # not finished (0), so that the job is requeued.
+    with pytest.raises(SystemExit) as exited:
+        fit(tmp_path, model=SignalledAfter(step=1))
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert (tmp_path / "preempted-step=1.ckpt").is_file()
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ the line a preempted run ends with).
 
 from __future__ import annotations
 
+import gc
 import logging
+import signal
 import types
 import zipfile
 from collections.abc import Iterator
@@ -15,7 +17,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch.distributed
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+import torch.distributed.run
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from lightning_ddp_amp import StrategyConfigurationError, selflaunch
 from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE
@@ -126,6 +129,22 @@ def test_within_the_same_second_the_rank_killed_by_a_signal_failed_first() -> No
 
 def test_an_earlier_failure_comes_first_whatever_its_kind() -> None:
     assert _first_failure([failure(0, 1, 99), failure(1, -9, 100)]).local_rank == 0
+
+
+def test_a_rank_killed_by_a_signal_makes_the_self_launch_exit_128_plus_the_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchrun records -9 for a SIGKILLed rank; a shell, a scheduler and a CI job read 137 as "killed by SIGKILL".
+    def torchrun(arguments: list[str]) -> None:
+        raise ChildFailedError("train.py", {0: failure(0, 1, 100), 1: failure(1, -signal.SIGKILL, 100)})
+
+    monkeypatch.setattr(torch.distributed.run, "main", torchrun)
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # the agent's last act before its exit, not this test's
+    monkeypatch.setenv(SELF_LAUNCH_VARIABLE, "")  # set by launch for its ranks; restored after the test
+    monkeypatch.setenv(PREEMPTION_REPORT_VARIABLE, "")
+    with pytest.raises(SystemExit) as exited:
+        selflaunch.launch([])
+    assert exited.value.code == 128 + signal.SIGKILL
 
 
 # --- after the ranks: preempted or crashed ------------------------------------------------------------------------

@@ -350,6 +350,26 @@ def test_cuda_rank_is_pinned_to_its_gpu_before_nccl_starts(cuda_double: tuple[En
     ]
 
 
+def test_the_process_group_and_its_store_get_the_strategys_timeout(
+    two_ranks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not torch's 30 minutes: a peer that hangs mid-training would hold every other rank, and the job, that long.
+    make_cuda_double(monkeypatch)
+    timeouts: dict[str, Any] = {}
+
+    def tcp_store(host: str, port: int, world_size: int, **kwargs: Any) -> str:
+        timeouts["store"] = kwargs.get("timeout")
+        return "store"
+
+    def init_process_group(backend: str, **kwargs: Any) -> None:
+        timeouts["group"] = kwargs.get("timeout")
+
+    monkeypatch.setattr(dist, "TCPStore", tcp_store)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    EnvDDPStrategy(accelerator=RecordingCUDAAccelerator([]), timeout=90).setup_environment()
+    assert timeouts == {"store": timedelta(seconds=90), "group": timedelta(seconds=90)}
+
+
 @pytest.mark.parametrize("before", [None, "0"])
 def test_nccl_error_handling_variable_does_not_outlive_the_test(
     monkeypatch: pytest.MonkeyPatch, two_ranks: None, before: str | None

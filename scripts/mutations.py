@@ -1,0 +1,408 @@
+"""Plausible bugs the test suite must catch, and a runner that proves it does (run by hand, not in CI).
+
+Each mutation replaces one snippet of the package's source with a plausible bug, in a scratch copy of the repository,
+and runs the tests named to catch it there; they must fail. The snippet must occur exactly once in its file, so that a
+refactor that moves or rewrites the code is an error here, not a mutation that silently stops applying.
+
+    python scripts/mutations.py                  # every mutation: caught, NOT CAUGHT or error, one line each
+    python scripts/mutations.py ID ...           # only these
+    python scripts/mutations.py --list           # the mutations, their tests, and whether each snippet still applies
+    python scripts/mutations.py --baseline       # each selection on the unmutated copy: it must pass
+
+Run it before changing or moving tests (docs/maintainers.md, "Mutations: what the suite must catch"). The copy holds
+the files git tracks, and untracked ones it does not ignore (a new test not yet committed); the tests import the
+package from the copy's src/ (PYTHONPATH), whatever is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = Path("src") / "lightning_ddp_amp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """One plausible bug: ``find`` (exactly once in ``file``) becomes ``replace``; ``tests`` (pytest arguments: node
+    ids, or a file with ``-k``) must then fail."""
+
+    id: str
+    bug: str
+    file: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    # --- apex O2's fp32 master weights ----------------------------------------------------------------------------
+    Mutation(
+        "o2-masters-not-saved",
+        "checkpoints under apex O2 leave out the fp32 master weights, so a resume restarts them from the fp16 weights",
+        "apex_amp.py",
+        '        if self.keeps_master_weights:\n            state["master_weights"] = self.master_weight_values()\n',
+        "",
+        ("tests/test_precision.py::test_o2_resume_restores_the_fp32_master_weights_not_their_fp16_copies",),
+    ),
+    Mutation(
+        "o2-masters-built-lazily",
+        "apex O2's masters are left to apex's first backward, so optimizer state restored before it lands on fp16",
+        "apex_amp.py",
+        "            if callable(lazy_init):\n                lazy_init()\n",
+        "",
+        ("tests/test_precision.py::test_o2_momentum_restored_from_a_checkpoint_is_fp32_on_the_master_weights",),
+    ),
+    Mutation(
+        "o2-as-o3-for-ddp",
+        "the DDP options are chosen as if apex O2 kept no masters: bucket views, which apex's zero_grad cannot detach",
+        "apex_amp.py",
+        '    def master_weights(cls, settings: AmpSettings) -> bool:\n        return settings.opt_level == "O2"\n',
+        "    def master_weights(cls, settings: AmpSettings) -> bool:\n        return False\n",
+        ("tests/test_ddp_under_amp.py::test_gradients_are_bucket_views_unless_apex_keeps_master_weights",),
+    ),
+    # --- the kwargs DDP really gets -------------------------------------------------------------------------------
+    Mutation(
+        "ddp-kwargs-not-passed",
+        "configure_ddp wraps the model without the options the strategy computed (DDP gets torch's defaults)",
+        "strategy.py",
+        "        self._ddp_kwargs = self.ddp_options\n",
+        "        self._ddp_kwargs = {}\n",
+        ("tests/test_ddp_under_amp.py::test_gradients_are_bucket_views_unless_apex_keeps_master_weights",),
+    ),
+    Mutation(
+        "ddp-user-kwargs-dropped",
+        "DDP arguments given through **ddp_kwargs (static_graph, bucket_cap_mb, ...) never reach the wrapper",
+        "ddp_options.py",
+        "        return {**changed, **self.extra}\n",
+        "        return changed\n",
+        ("tests/test_strategy.py::test_only_changed_ddp_options_are_passed_on",),
+    ),
+    # --- the data layout of a mid-epoch resume, and elastic padding ---------------------------------------------
+    Mutation(
+        "layout-check-skipped",
+        "a mid-epoch position saved with another data set, seed or order is continued instead of refused",
+        "data.py",
+        '        if "world_size" not in saved or differences:\n',
+        '        if "world_size" not in saved:\n',
+        ("tests/test_resume.py::test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_value",),
+    ),
+    Mutation(
+        "elastic-pad-from-rest",
+        "the rest of a resumed epoch is padded with its own first samples, not the epoch's as DistributedSampler pads",
+        "data.py",
+        "        rest += order[: num_replicas - len(rest) % num_replicas]\n",
+        "        rest += rest[: num_replicas - len(rest) % num_replicas]\n",
+        (
+            "tests/test_resume.py::"
+            "test_a_position_saved_on_two_ranks_continues_on_any_number_with_each_remaining_sample_once",
+        ),
+    ),
+    # --- atomic checkpoint writes -----------------------------------------------------------------------------
+    Mutation(
+        "checkpoint-written-in-place",
+        "the checkpoint is written straight over the target: a save that fails halfway destroys the previous one",
+        "resume.py",
+        '        temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")\n'
+        "        # Created as open() creates files, 0o666 less the umask (tempfile.mkstemp would give 0o600).\n"
+        '        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)\n',
+        "        temporary = target\n"
+        '        handle = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)\n',
+        ("tests/test_resume.py::test_a_save_that_fails_halfway_leaves_the_previous_checkpoint_as_it_was",),
+    ),
+    Mutation(
+        "checkpoint-not-fsynced",
+        "the os.fsync before the rename is gone: a power loss after it can leave an empty file under the name",
+        "resume.py",
+        "                file.flush()\n                os.fsync(file.fileno())\n",
+        "                file.flush()\n",
+        ("tests/test_resume.py::test_the_whole_checkpoint_reaches_the_disk_before_it_is_renamed_into_place",),
+    ),
+    # --- exit statuses ----------------------------------------------------------------------------------------
+    Mutation(
+        "preempted-rank-exits-0",
+        "a rank that saved on SIGTERM raises Lightning's SIGTERMException bare, so it exits 0 instead of 143",
+        "resume.py",
+        "            raise SIGTERMException(128 + signum)\n",
+        "            raise SIGTERMException()\n",
+        ("tests/test_resume.py::test_a_sigterm_during_training_saves_a_checkpoint_and_exits_128_plus_the_signal",),
+    ),
+    Mutation(
+        "selflaunch-signal-status",
+        "a self-launch whose rank was killed by a signal exits with torchrun's negative code (-9: 247), not 137",
+        "selflaunch.py",
+        "        status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode\n",
+        "        status = failure.exitcode\n",
+        ("tests/test_selflaunch.py::test_a_rank_killed_by_a_signal_makes_the_self_launch_exit_128_plus_the_signal",),
+    ),
+    # --- compare: its verdict and the first-batch check -------------------------------------------------------
+    Mutation(
+        "compare-apart-exits-0",
+        "compare exits 0 when a candidate is apart and none failed",
+        "compare_report.py",
+        '    return 1 if statuses & {"apart", "failed"} else 0\n',
+        '    return 1 if "failed" in statuses else 0\n',
+        ("tests/test_compare.py::test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1",),
+    ),
+    Mutation(
+        "compare-loss-tolerance-flipped",
+        "the final loss is apart when it is within the tolerance, and close beyond it",
+        "compare_report.py",
+        "    if final is None or not math.isfinite(final) or final > tolerance.loss:\n",
+        "    if final is None or not math.isfinite(final) or final < tolerance.loss:\n",
+        ("tests/test_compare.py::test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both",),
+    ),
+    Mutation(
+        "compare-batch-hash-unchecked",
+        "runs whose first training batch differs are compared anyway (the report reads a key the record lacks)",
+        "compare_report.py",
+        '            if ours["batch_hash"] != theirs["batch_hash"]:\n',
+        '            if ours.get("batch") != theirs.get("batch"):\n',
+        ("tests/test_compare.py::test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_the_fix",),
+    ),
+    Mutation(
+        "recorder-empty-batch-hash",
+        "the recorder writes the hash of nothing as the first batch's, so every run seems to start alike",
+        "compare_recorder.py",
+        "    return _hash_tensors(dict(enumerate(_tensors(batch))))\n",
+        "    return _hash_tensors({})\n",
+        ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_first_batch_its_run_trained",),
+    ),
+    # --- reduce: what sync_dist logging gets back -------------------------------------------------------------
+    Mutation(
+        "reduce-integer-mean-float64",
+        "the mean of an integer tensor is float64, which apex O1 refuses to divide a float32 sum by",
+        "strategy.py",
+        "            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)\n",
+        "            return total.to(torch.float64) / dist.get_world_size(group)\n",
+        ("tests/test_strategy.py::test_reduce_keeps_floats_in_their_dtype_and_averages_integers_in_the_default_one",),
+    ),
+    Mutation(
+        "reduce-float32-mean-float64",
+        "float tensors are reduced in float64 for accuracy and come back float64",
+        "strategy.py",
+        "        return super().reduce(tensor, group, reduce_op)\n",
+        "        return super().reduce(tensor.double() if isinstance(tensor, Tensor) else tensor, group, reduce_op)\n",
+        ("tests/test_strategy.py::test_reduce_keeps_floats_in_their_dtype_and_averages_integers_in_the_default_one",),
+    ),
+    # --- more plausible bugs ----------------------------------------------------------------------------------
+    Mutation(
+        "local-rank-from-rank",
+        "LOCAL_RANK is read from RANK: on the second node every rank is out of range or on the wrong GPU",
+        "environment.py",
+        '    local_rank = _read_int(env, "LOCAL_RANK", minimum=0, below=below)\n',
+        '    local_rank = _read_int(env, "RANK", minimum=0, below=below)\n',
+        ("tests/test_environment.py::test_second_node_of_a_two_node_torchrun_job",),
+    ),
+    Mutation(
+        "group-timeout-ignored",
+        "the process group gets torch's 30-minute timeout, not EnvDDPStrategy(timeout=...): a hung peer hangs the job",
+        "process_group.py",
+        "world_size=topology.world_size, timeout=timeout, **binding\n",
+        "world_size=topology.world_size, **binding\n",
+        ("tests/test_strategy.py::test_the_process_group_and_its_store_get_the_strategys_timeout",),
+    ),
+    Mutation(
+        "evaluation-initializes-apex",
+        "trainer.validate after trainer.fit calls amp.initialize again, which apex allows once per process",
+        "precision.py",
+        "        if not optimizers or _trainer_fn(model) not in (None, TrainerFn.FITTING):\n",
+        "        if not optimizers:\n",
+        (
+            "tests/test_precision.py::"
+            "test_evaluation_after_fit_runs_the_amp_initialized_model_without_initializing_again",
+        ),
+    ),
+    Mutation(
+        "native-clips-scaled-gradients",
+        "native AMP does not unscale before the clipping and the before-step hooks, which see gradients x65536",
+        "precision.py",
+        "        self.amp_backend.unscale(optimizer)\n        _lightning.after_closure(self, model, optimizer)\n",
+        "        _lightning.after_closure(self, model, optimizer)\n",
+        ("tests/test_precision.py::test_native_gradient_clipping_clips_the_unscaled_gradients",),
+    ),
+    Mutation(
+        "resumed-epoch-not-set",
+        "a run resumed from the end of an epoch reads its next epoch in the finished epoch's order",
+        "data.py",
+        "            if self._sampler is not None:\n                self._sampler.set_epoch(epoch + 1)\n",
+        "",
+        ("tests/test_resume.py::test_an_end_of_epoch_position_resumes_in_any_layout",),
+    ),
+    Mutation(
+        "split-batches-not-split",
+        "split_batches gives every rank the whole global batch: each step trains world-size times the batch",
+        "data.py",
+        "    return global_batch // num_replicas\n",
+        "    return global_batch\n",
+        ("tests/test_data.py::test_split_batches_divides_the_global_batch",),
+    ),
+)
+
+
+def source_with(mutation: Mutation, root: Path) -> str:
+    """The mutated text of ``mutation.file`` under ``root``.
+
+    Raises:
+        ValueError: The snippet is not in the file exactly once.
+    """
+    path = root / PACKAGE / mutation.file
+    text = path.read_text()
+    count = text.count(mutation.find)
+    if count != 1:
+        raise ValueError(
+            f"{mutation.id}: its snippet occurs {count} times in {PACKAGE / mutation.file}, not once: the code moved or"
+            " changed; update the snippet in scripts/mutations.py (and check the tests named still catch the bug)"
+        )
+    return text.replace(mutation.find, mutation.replace)
+
+
+def repository_files() -> list[str]:
+    """What git tracks, and the untracked files it does not ignore (a new test not yet committed)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return sorted({name for name in listed.split("\0") if name and (REPO / name).is_file()})
+
+
+@contextmanager
+def scratch_copy(files: Sequence[str]) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="mutation-") as directory:
+        root = Path(directory)
+        for name in files:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, root / name)
+        yield root
+
+
+@dataclasses.dataclass
+class Outcome:
+    returncode: int | None  # None: the tests ran past the timeout
+    seconds: float
+    output: str  # pytest's, stdout and stderr merged
+
+
+def run_tests(root: Path, python: str, tests: Sequence[str], timeout: float) -> Outcome:
+    """``python -m pytest -x`` on ``tests`` in ``root``, the package imported from ``root/src``.
+
+    Raises:
+        SystemExit: ``python`` would import the package from elsewhere (no mutation could then be caught).
+    """
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(root / "src")
+    where = subprocess.run(
+        [python, "-c", "import importlib.util; print(importlib.util.find_spec('lightning_ddp_amp').origin)"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not where.startswith(str(root)):
+        raise SystemExit(f"{python} imports lightning_ddp_amp from {where or 'nowhere'}, not from the copy's src/")
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so that a timeout also ends the ranks and servers the tests started
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        returncode: int | None = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        returncode = None
+    return Outcome(returncode, time.monotonic() - started, output)
+
+
+def verdict(outcome: Outcome, baseline: bool) -> str:
+    """``caught`` (or ``passes`` for a baseline), ``NOT CAUGHT`` (``FAILS``), or ``error`` with what went wrong."""
+    if outcome.returncode is None:
+        return "error (timeout)"
+    if baseline:
+        return {0: "passes", 1: "FAILS"}.get(outcome.returncode, f"error (pytest exit {outcome.returncode})")
+    # 1: a test failed. 0: they all passed. 2-5: interrupted, internal or usage error, nothing collected.
+    return {1: "caught", 0: "NOT CAUGHT"}.get(outcome.returncode, f"error (pytest exit {outcome.returncode})")
+
+
+def list_mutations(mutations: Sequence[Mutation]) -> int:
+    problems = 0
+    for mutation in mutations:
+        try:
+            source_with(mutation, REPO)
+            applies = "applies"
+        except ValueError as error:
+            applies, problems = f"ERROR: {error}", problems + 1
+        print(f"{mutation.id}  ({PACKAGE / mutation.file}; {applies})\n    {mutation.bug}")
+        print("".join(f"    test: {test}\n" for test in mutation.tests), end="")
+    return 1 if problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ids", nargs="*", metavar="ID", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and whether each snippet applies")
+    parser.add_argument("--baseline", action="store_true", help="run each selection unmutated; it must pass")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter to test with (default: this one)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation (default: 900)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's output after each line")
+    args = parser.parse_args(argv)
+
+    known = {mutation.id: mutation for mutation in MUTATIONS}
+    unknown = [name for name in args.ids if name not in known]
+    if unknown:
+        parser.error(f"unknown mutation(s) {', '.join(unknown)}; --list shows them")
+    chosen = [known[name] for name in args.ids] if args.ids else list(MUTATIONS)
+    if args.list:
+        return list_mutations(chosen)
+
+    files = repository_files()
+    width = max(len(mutation.id) for mutation in chosen)
+    failed: list[str] = []
+    started = time.monotonic()
+    for mutation in chosen:
+        with scratch_copy(files) as root:
+            try:
+                mutated = source_with(mutation, root)
+            except ValueError as error:
+                print(f"{'error':<12} {mutation.id:<{width}}     -   {error}", flush=True)
+                failed.append(mutation.id)
+                continue
+            if not args.baseline:
+                (root / PACKAGE / mutation.file).write_text(mutated)
+            outcome = run_tests(root, args.python, mutation.tests, args.timeout)
+        result = verdict(outcome, args.baseline)
+        print(f"{result:<12} {mutation.id:<{width}} {outcome.seconds:6.1f}s  {' '.join(mutation.tests)}", flush=True)
+        if args.verbose:
+            print(outcome.output, flush=True)
+        if result not in ("caught", "passes"):
+            failed.append(mutation.id)
+            if not args.verbose:
+                print(outcome.output[-3000:], flush=True)
+    what = "unmutated selections" if args.baseline else "mutations"
+    print(f"{len(chosen) - len(failed)} of {len(chosen)} {what} as expected in {time.monotonic() - started:.0f}s")
+    if failed:
+        print(f"not as expected: {' '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
