@@ -129,6 +129,33 @@ def test_optimizers_to_device_moves_the_state_an_optimizer_holds() -> None:
     assert optimizer.state[parameter]["momentum_buffer"].device.type == "meta"
 
 
+class AskingLauncher:
+    """Test double: a launcher that answers the fence's question about the fit it is handed, and runs nothing."""
+
+    is_interactive_compatible = True
+
+    def __init__(self) -> None:
+        self.answers: list[bool] = []
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("trainer", None)
+        self.answers.append(_lightning.launched_with_ckpt_path(function, args, kwargs))
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill."""
+
+
+def test_launched_with_ckpt_path_tells_whether_the_fit_handed_to_a_launcher_was_given_one(tmp_path: Path) -> None:
+    trainer = _quiet_trainer()
+    launcher = AskingLauncher()
+    trainer.strategy._launcher = launcher  # type: ignore[assignment]
+    model, loader = BoringModel(), DataLoader(torch.randn(4, 32))
+    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=tmp_path / "by_name.ckpt")
+    trainer.fit(model, loader, None, None, tmp_path / "in_place.ckpt")
+    assert launcher.answers == [False, True, True]
+
+
 #: Lightning broadcasts rank 0's SIGTERM flag at every training step from this release on.
 SIGTERM_BROADCAST_SINCE = Version("2.5.2")
 HAS_SIGTERM_BROADCAST = Version(L.__version__) >= SIGTERM_BROADCAST_SINCE

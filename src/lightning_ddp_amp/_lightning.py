@@ -146,6 +146,24 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     trainer._accelerator_connector.use_distributed_sampler = enabled
 
 
+def launched_with_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the fit a strategy's launcher is asked to run was given a ``ckpt_path``.
+
+    Why: ``trainer.fit`` hands the launcher its private ``Trainer._fit_impl`` and ``fit``'s arguments, positional
+    ones among them; only that method's signature tells which of them is ``ckpt_path``.
+
+    Args:
+        function: What the launcher was handed to run.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+    """
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("ckpt_path") is not None
+
+
 def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> None:
     """Move any state the optimizers already hold to ``device``, as Lightning's own DDP strategy does in setup.
 
