@@ -366,6 +366,28 @@ def test_the_strategy_registry_type_is_the_type_of_lightnings_registry() -> None
     assert registry.available_strategies() == ["envddp", "envddp_find_unused_parameters_true"]
 
 
+def _lightning_imports_from_modules_their_package_exports() -> list[str]:
+    """``module:line name`` for each public Lightning name imported from a module file whose package has it too."""
+    found = []
+    for path in sorted(Path(lightning_ddp_amp.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lightning"):
+                continue
+            if hasattr(importlib.import_module(node.module), "__path__"):
+                continue  # a package: the path Lightning exports its names on
+            package = importlib.import_module(node.module.rpartition(".")[0])
+            found += [f"{path.stem}:{node.lineno} {alias.name}" for alias in node.names if _public_on(package, alias.name)]
+    return found
+
+
+def _public_on(package: Any, name: str) -> bool:
+    return not _protected(name) and hasattr(package, name)
+
+
+def test_lightning_names_are_imported_from_the_package_that_exports_them() -> None:
+    assert _lightning_imports_from_modules_their_package_exports() == []
+
+
 def _package_classes() -> Iterator[type[Any]]:
     """Every class the package defines (the one source of truth, not the ``pytorch_lightning`` flavour)."""
     for module in pkgutil.iter_modules(lightning_ddp_amp.__path__):
