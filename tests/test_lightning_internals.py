@@ -376,7 +376,9 @@ def _lightning_imports_from_modules_their_package_exports() -> list[str]:
             if hasattr(importlib.import_module(node.module), "__path__"):
                 continue  # a package: the path Lightning exports its names on
             package = importlib.import_module(node.module.rpartition(".")[0])
-            found += [f"{path.stem}:{node.lineno} {alias.name}" for alias in node.names if _public_on(package, alias.name)]
+            found += [
+                f"{path.stem}:{node.lineno} {alias.name}" for alias in node.names if _public_on(package, alias.name)
+            ]
     return found
 
 

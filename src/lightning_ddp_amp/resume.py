@@ -284,7 +284,8 @@ class AutoResumeLauncher:
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Run ``function`` in this process, resuming a fit without ``ckpt_path`` from the newest checkpoint."""
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or _lightning.launched_with_ckpt_path(function, args, kwargs):
+        given_ckpt_path = _lightning.launched_with_ckpt_path(function, args, kwargs)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or given_ckpt_path:
             return function(*args, **kwargs)
         directories = checkpoint_dirs(trainer)
         if not directories:
