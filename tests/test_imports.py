@@ -24,6 +24,7 @@ UNDOCUMENTED_LIGHTNING = (
     "lightning.pytorch.overrides",
     "lightning.pytorch.loops",
     "lightning.pytorch.trainer.connectors",
+    "lightning.pytorch.loggers.logger",
 )
 
 #: Attributes without an underscore on Lightning objects that its documentation does not cover: its loops' parts.
@@ -223,6 +224,7 @@ def test_only_the_fence_reads_underscore_attributes_of_other_objects() -> None:
     [
         ("from lightning.fabric.strategies.registry import _StrategyRegistry", ["_StrategyRegistry"]),
         ("from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler", ["Unrepeated"]),
+        ("from lightning.pytorch.loggers.logger import DummyLogger", ["DummyLogger"]),
         ("import lightning.pytorch.trainer.connectors.accelerator_connector as c", ["connectors"]),
         ("from lightning.pytorch.strategies import DDPStrategy", []),
         ("x.trainer._accelerator_connector", ["_accelerator_connector"]),

@@ -68,6 +68,21 @@ def test_trainer_hook_passes_the_raw_devices_and_num_nodes() -> None:
     assert explicit.flags == {"devices": 1, "num_nodes": 1, "use_distributed_sampler": False}
 
 
+def test_trainer_env_defaults_are_what_the_trainer_takes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "7")
+    monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")
+    assert _lightning.trainer_env_defaults(L.Trainer) == {"max_steps": 7, "accelerator": "cpu"}
+    assert L.Trainer(logger=False).max_steps == 7
+
+
+def test_the_dummy_logger_is_a_logger_that_swallows_whatever_is_logged_through_it() -> None:
+    logger = _lightning.DummyLogger()
+    assert isinstance(logger, L.pytorch.loggers.Logger)
+    logger.log_metrics({"loss": 1.0})
+    logger.experiment.log({"anything": 1})  # what a script calls on its own logger's experiment
+    assert logger.any_method_at_all(1) is None
+
+
 def test_sampler_injection_flag_round_trips() -> None:
     trainer = L.Trainer(accelerator="cpu", logger=False, use_distributed_sampler=False)
     assert _lightning.sampler_injection(trainer) is False

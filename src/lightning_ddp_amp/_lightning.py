@@ -23,6 +23,10 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+# Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
+# re-exported for compare_recorder, which turns off the loggers it cannot point into a run's folder.
+from lightning.pytorch.loggers.logger import DummyLogger as DummyLogger
+
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
 # outside its documented API; re-exported for data.py.
 from lightning.pytorch.overrides.distributed import (
@@ -34,6 +38,7 @@ from lightning.pytorch.overrides.distributed import (
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from lightning.pytorch.utilities.argparse import _parse_env_variables
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from packaging.version import Version
 from torch.optim import Optimizer
@@ -127,6 +132,16 @@ def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
 
     setattr(__init__, _MARK, True)
     _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]
+
+
+def trainer_env_defaults(trainer_class: type[pl.Trainer]) -> dict[str, Any]:
+    """The arguments environment variables give a ``trainer_class(...)`` that leaves them out, by name.
+
+    ``PL_TRAINER_MAX_STEPS=5`` for ``Trainer``, ``PL_MYTRAINER_MAX_STEPS=5`` for a subclass ``MyTrainer``, each
+    value parsed as a Python literal where it is one. Why: Lightning reads them in a private decorator of
+    ``Trainer.__init__``, and offers no public way to ask.
+    """
+    return dict(vars(_parse_env_variables(trainer_class)))
 
 
 def sampler_injection(trainer: pl.Trainer) -> bool:

@@ -24,6 +24,10 @@ from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
+# Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
+# re-exported for compare_recorder, which turns off the loggers it cannot point into a run's folder.
+from pytorch_lightning.loggers.logger import DummyLogger as DummyLogger
+
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
 # outside its documented API; re-exported for data.py.
 from pytorch_lightning.overrides.distributed import (
@@ -35,6 +39,7 @@ from pytorch_lightning.overrides.distributed import (
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from pytorch_lightning.utilities.argparse import _parse_env_variables
 from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwargs
 from packaging.version import Version
 from torch.optim import Optimizer
@@ -95,6 +100,16 @@ def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
     ...
 
 
+def trainer_env_defaults(trainer_class: type[pl.Trainer]) -> dict[str, Any]:
+    """The arguments environment variables give a ``trainer_class(...)`` that leaves them out, by name.
+
+    ``PL_TRAINER_MAX_STEPS=5`` for ``Trainer``, ``PL_MYTRAINER_MAX_STEPS=5`` for a subclass ``MyTrainer``, each
+    value parsed as a Python literal where it is one. Why: Lightning reads them in a private decorator of
+    ``Trainer.__init__``, and offers no public way to ask.
+    """
+    ...
+
+
 def sampler_injection(trainer: pl.Trainer) -> bool:
     """Whether Lightning injects distributed samplers (``Trainer(use_distributed_sampler=...)``).
 
@@ -108,6 +123,20 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
     itself (:mod:`lightning_ddp_amp.pytorch_lightning.data`) and leaves only prediction to Lightning.
+    """
+    ...
+
+
+def launched_with_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the fit a strategy's launcher is asked to run was given a ``ckpt_path``.
+
+    Why: ``trainer.fit`` hands the launcher its private ``Trainer._fit_impl`` and ``fit``'s arguments, positional
+    ones among them; only that method's signature tells which of them is ``ckpt_path``.
+
+    Args:
+        function: What the launcher was handed to run.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
     """
     ...
 
