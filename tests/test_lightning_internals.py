@@ -30,7 +30,7 @@ from packaging.version import Version
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 import lightning_ddp_amp
-from lightning_ddp_amp import EnvDDPStrategy, _lightning
+from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, _lightning
 from lightning_ddp_amp.precision import resolve_precision_flag
 
 DATASET = TensorDataset(torch.arange(8))
@@ -45,15 +45,15 @@ def test_tested_range_covers_the_installed_lightning() -> None:
 
 def test_trainer_hook_is_installed_once() -> None:
     hooked = _AcceleratorConnector.__init__
-    _lightning.install_trainer_hook(resolve_precision_flag)
+    _lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision)
     assert _AcceleratorConnector.__init__ is hooked
 
 
-class FlagRecordingStrategy(SingleDeviceStrategy):
-    """Test double: a strategy that records what the hook passes to ``check_trainer_flags``."""
+class FlagRecordingStrategy(EnvDDPStrategy):
+    """Test double: envddp, recording what the hook passes to ``check_trainer_flags``."""
 
     def __init__(self) -> None:
-        super().__init__(device="cpu")
+        super().__init__()
         self.flags: dict[str, Any] = {}
 
     def check_trainer_flags(self, devices: Any, num_nodes: int, use_distributed_sampler: bool) -> None:
@@ -62,8 +62,8 @@ class FlagRecordingStrategy(SingleDeviceStrategy):
 
 def test_trainer_hook_passes_the_raw_devices_and_num_nodes() -> None:
     default, explicit = FlagRecordingStrategy(), FlagRecordingStrategy()
-    L.Trainer(strategy=default, logger=False)
-    L.Trainer(strategy=explicit, devices=1, logger=False, use_distributed_sampler=False)
+    L.Trainer(strategy=default, accelerator="cpu", logger=False)
+    L.Trainer(strategy=explicit, accelerator="cpu", devices=1, logger=False, use_distributed_sampler=False)
     assert default.flags == {"devices": "auto", "num_nodes": 1, "use_distributed_sampler": True}
     assert explicit.flags == {"devices": 1, "num_nodes": 1, "use_distributed_sampler": False}
 
@@ -120,8 +120,8 @@ def test_trainer_hook_reads_the_connector_arguments_it_hands_on() -> None:
     assert {"precision", "plugins", "devices", "num_nodes", "use_distributed_sampler"} <= parameters.keys()
 
 
-class SetupRecordingPrecision(Precision):
-    """Test double: a precision plugin that records what the hook passes to ``check_trainer_setup``."""
+class SetupRecordingPrecision(AmpPrecision):
+    """Test double: AmpPrecision, recording what the hook passes to ``check_trainer_setup``."""
 
     seen: tuple[Any, Any] | None = None
 
@@ -130,9 +130,81 @@ class SetupRecordingPrecision(Precision):
 
 
 def test_trainer_hook_hands_the_finished_strategy_and_accelerator_to_the_precision_plugin() -> None:
-    plugin = SetupRecordingPrecision()
+    plugin = SetupRecordingPrecision(backend="native")
     trainer = L.Trainer(accelerator="cpu", plugins=[plugin], logger=False)
     assert plugin.seen == (trainer.strategy, trainer.accelerator)
+
+
+class AsksNothing(SingleDeviceStrategy):
+    """Test double: a strategy of the user's own whose methods share the names of envddp's Trainer checks."""
+
+    def check_trainer_flags(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the hook asked a strategy that is not envddp")
+
+    def start_missing_ranks(self) -> None:
+        raise AssertionError("the hook asked a strategy that is not envddp")
+
+
+class ChecksNothing(Precision):
+    """Test double: a precision plugin of the user's own with a method named as AmpPrecision's Trainer check."""
+
+    def check_trainer_setup(self, *args: Any) -> None:
+        raise AssertionError("the hook asked a precision plugin that is not AmpPrecision")
+
+
+def test_trainer_hook_asks_only_the_packages_own_strategy_and_precision_plugin() -> None:
+    trainer = L.Trainer(strategy=AsksNothing("cpu"), plugins=[ChecksNothing()], logger=False)
+    assert (type(trainer.strategy), type(trainer.precision_plugin)) == (AsksNothing, ChecksNothing)
+
+
+TORCHRUN = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "none",
+}
+#: Trainers that never ask for envddp or AmpPrecision, and the launcher variables they are built under.
+LIGHTNINGS_OWN = {
+    "defaults": ({"accelerator": "cpu"}, {}),
+    "ddp": ({"accelerator": "cpu", "strategy": "ddp", "devices": 2}, {}),
+    "ddp-under-torchrun": ({"accelerator": "cpu", "strategy": "ddp", "devices": 2}, TORCHRUN),
+    "bf16-mixed": ({"accelerator": "cpu", "precision": "bf16-mixed", "devices": 1}, {}),
+    "explicit-defaults": ({"accelerator": "cpu", "strategy": "auto", "devices": 1, "num_nodes": 1}, {}),
+}
+
+
+def _built(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    trainer = L.Trainer(logger=False, **kwargs)
+    strategy = trainer.strategy
+    environment = getattr(strategy, "cluster_environment", None)
+    return (
+        type(trainer.accelerator),
+        type(strategy),
+        getattr(strategy, "parallel_devices", None),
+        type(trainer.precision_plugin),
+        trainer.precision_plugin.precision,
+        type(environment),
+        type(trainer.accelerator).__module__.split(".")[0],
+        type(strategy).__module__.split(".")[0],
+        type(trainer.precision_plugin).__module__.split(".")[0],
+        type(environment).__module__.split(".")[0],
+    )
+
+
+@pytest.mark.parametrize(("kwargs", "environ"), LIGHTNINGS_OWN.values(), ids=LIGHTNINGS_OWN.keys())
+def test_a_trainer_that_never_asks_for_the_package_is_built_by_lightning_alone(
+    kwargs: dict[str, Any], environ: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    hooked = _built(kwargs)
+    monkeypatch.setattr(_AcceleratorConnector, "__init__", _AcceleratorConnector.__init__.__wrapped__)
+    assert hooked == _built(kwargs)
+    assert set(hooked[-4:]) <= {"lightning", "builtins"}  # builtins: a strategy without a cluster environment
 
 
 def test_optimizers_to_device_moves_the_state_an_optimizer_holds() -> None:

@@ -77,24 +77,32 @@ _MARK = "__lightning_ddp_amp_hook__"
 PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
 
 
-def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
+def install_trainer_hook(
+    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+) -> None:
     """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
     Why: Lightning has no public extension point for either of these.
 
     * ``Trainer(precision="apex-O1")`` / ``"amp-O1"``: Lightning validates precision strings against a fixed list,
-      so the wrapper turns ours into an :class:`~lightning_ddp_amp.AmpPrecision` plugin before Lightning sees them
-      (any other value, valid or not, reaches Lightning unchanged).
+      so the wrapper turns ours into an :class:`~lightning_ddp_amp.AmpPrecision` plugin before Lightning sees them.
+      Any other value, valid or not, reaches Lightning unchanged, and the connector is then called with exactly the
+      Trainer's arguments.
     * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
-      "explicitly 1" look the same; the wrapper hands the raw ``devices`` and ``num_nodes`` to the strategy's
-      ``check_trainer_flags``, then calls its ``start_missing_ranks`` (envddp without a launcher starts its ranks
-      there), and hands the finished strategy and accelerator to the precision plugin's ``check_trainer_setup``.
+      "explicitly 1" look the same; when the strategy is ``strategy_class`` the wrapper hands it the raw ``devices``
+      and ``num_nodes`` (``check_trainer_flags``), then calls its ``start_missing_ranks`` (envddp without a launcher
+      starts its ranks there). When the precision plugin is ``precision_class``, it is handed the finished strategy
+      and accelerator (``check_trainer_setup``).
 
-    Idempotent. The package hands over its precision resolver, so that this module imports none of its own.
+    Any other Trainer is built by Lightning alone: its strategy, precision plugin and environment are Lightning's.
+    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own.
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
             (:func:`lightning_ddp_amp.precision.resolve_precision_flag`).
+        strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.EnvDDPStrategy`).
+        precision_class: The precision plugin that checks the finished Trainer
+            (:class:`~lightning_ddp_amp.AmpPrecision`).
     """
     if getattr(_AcceleratorConnector.__init__, _MARK, False):
         return
@@ -113,22 +121,24 @@ def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
         arguments = signature.bind(self, *args, **kwargs)
         arguments.apply_defaults()
         given = arguments.arguments
-        given["precision"], given["plugins"] = resolve_precision(given["precision"], given["plugins"])
-        original(*arguments.args, **arguments.kwargs)
-        check_flags = getattr(self.strategy, "check_trainer_flags", None)
-        if callable(check_flags):
-            check_flags(
+        precision, plugins = resolve_precision(given["precision"], given["plugins"])
+        if precision is given["precision"] and plugins is given["plugins"]:
+            original(self, *args, **kwargs)
+        else:
+            given["precision"], given["plugins"] = precision, plugins
+            original(*arguments.args, **arguments.kwargs)
+        strategy: Any = self.strategy
+        if isinstance(strategy, strategy_class):
+            strategy.check_trainer_flags(
                 devices=given["devices"],
                 num_nodes=given["num_nodes"],
                 use_distributed_sampler=given["use_distributed_sampler"],
             )
-        # envddp without a launcher starts its ranks here, before the script goes on (EnvDDPStrategy explains why).
-        start_ranks = getattr(self.strategy, "start_missing_ranks", None)
-        if callable(start_ranks):
-            start_ranks()
-        check_setup = getattr(self.precision_plugin, "check_trainer_setup", None)
-        if callable(check_setup):
-            check_setup(self.strategy, self.accelerator)
+            # envddp without a launcher starts its ranks here, before the script goes on (EnvDDPStrategy says why).
+            strategy.start_missing_ranks()
+        plugin: Any = self.precision_plugin
+        if isinstance(plugin, precision_class):
+            plugin.check_trainer_setup(strategy, self.accelerator)
 
     setattr(__init__, _MARK, True)
     _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]

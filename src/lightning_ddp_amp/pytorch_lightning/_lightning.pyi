@@ -78,24 +78,32 @@ _MARK = "__lightning_ddp_amp_hook__"
 PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
 
 
-def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
+def install_trainer_hook(
+    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+) -> None:
     """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
     Why: Lightning has no public extension point for either of these.
 
     * ``Trainer(precision="apex-O1")`` / ``"amp-O1"``: Lightning validates precision strings against a fixed list,
-      so the wrapper turns ours into an :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` plugin before Lightning sees them
-      (any other value, valid or not, reaches Lightning unchanged).
+      so the wrapper turns ours into an :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` plugin before Lightning sees them.
+      Any other value, valid or not, reaches Lightning unchanged, and the connector is then called with exactly the
+      Trainer's arguments.
     * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
-      "explicitly 1" look the same; the wrapper hands the raw ``devices`` and ``num_nodes`` to the strategy's
-      ``check_trainer_flags``, then calls its ``start_missing_ranks`` (envddp without a launcher starts its ranks
-      there), and hands the finished strategy and accelerator to the precision plugin's ``check_trainer_setup``.
+      "explicitly 1" look the same; when the strategy is ``strategy_class`` the wrapper hands it the raw ``devices``
+      and ``num_nodes`` (``check_trainer_flags``), then calls its ``start_missing_ranks`` (envddp without a launcher
+      starts its ranks there). When the precision plugin is ``precision_class``, it is handed the finished strategy
+      and accelerator (``check_trainer_setup``).
 
-    Idempotent. The package hands over its precision resolver, so that this module imports none of its own.
+    Any other Trainer is built by Lightning alone: its strategy, precision plugin and environment are Lightning's.
+    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own.
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
             (:func:`lightning_ddp_amp.pytorch_lightning.precision.resolve_precision_flag`).
+        strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy`).
+        precision_class: The precision plugin that checks the finished Trainer
+            (:class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`).
     """
     ...
 
