@@ -45,7 +45,6 @@ from typing_extensions import override
 
 import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp import selflaunch
-from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.pytorch_lightning.data import (
     align_resumed_epoch,
     check_resumed_positions,
@@ -54,9 +53,8 @@ from lightning_ddp_amp.pytorch_lightning.data import (
     warn_unshuffled_training_shards,
 )
 from lightning_ddp_amp.ddp_options import DDPOptions
-from lightning_ddp_amp.devices import select_devices
-from lightning_ddp_amp.environment import Topology, read_topology, started_by
-from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.environment import Topology, started_by
+from lightning_ddp_amp.errors import StrategyConfigurationError
 from lightning_ddp_amp.pytorch_lightning.precision import AmpPrecision, describe_crossing
 from lightning_ddp_amp.process_group import (
     check_script_group,
@@ -75,6 +73,7 @@ from lightning_ddp_amp.pytorch_lightning.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
+from lightning_ddp_amp.pytorch_lightning.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
 
 #: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
 COMM_HOOKS: dict[str, Callable[..., Any]] = {
@@ -148,7 +147,6 @@ class EnvDDPStrategy(DDPStrategy):
     strategy_name = "envddp"
     #: The precision plugin connects (apex: ``amp.initialize``) before the DDP wrap; AmpPrecision asks for this.
     connects_precision_before_wrap = True
-    _topology: Topology  # set with the cluster environment
 
     def __init__(
         self,
@@ -175,7 +173,7 @@ class EnvDDPStrategy(DDPStrategy):
         max_restarts: int = 0,
         **ddp_kwargs: Any,
     ) -> None:
-        # Set by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
+        # Filled by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
         ...
 
     @property
@@ -187,7 +185,8 @@ class EnvDDPStrategy(DDPStrategy):
     @override
     def cluster_environment(self) -> ClusterEnvironment | None:
         """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
-        the Trainer's ``plugins``), else a :class:`LauncherEnvironment` over the launcher's variables.
+        the Trainer's ``plugins``), else a :class:`~lightning_ddp_amp.pytorch_lightning.LauncherEnvironment` over the launcher's
+        variables.
 
         None until one of them is known: that is how the Trainer knows to hand over its plugin.
         """
@@ -195,22 +194,14 @@ class EnvDDPStrategy(DDPStrategy):
 
     @cluster_environment.setter
     def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
-        """Read the topology from ``environment``; the Trainer calls this with a user's plugin or its own choice.
-
-        Lightning's own environments, which the Trainer picks when given none (``is_lightning_default``), read the
-        variables of launchers envddp reads itself: the launcher's variables are read and validated instead
-        (:func:`read_topology`). Any other environment is honoured through its methods (:func:`environment_topology`).
-
-        None (what ``DDPStrategy.__init__`` passes by default) leaves the choice open.
+        """Read the topology from ``environment`` (:meth:`TrainerFlags.set_environment
+        <lightning_ddp_amp.pytorch_lightning.trainer_flags.TrainerFlags.set_environment>`); None leaves the choice open.
 
         Raises:
             LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
-            StrategyConfigurationError: The environment cannot be honoured (see :func:`environment_topology`).
+            StrategyConfigurationError: The environment cannot be honoured (see
+                :func:`~lightning_ddp_amp.pytorch_lightning.cluster_environment.environment_topology`).
         """
-        ...
-
-    def _use_launcher_unless_given(self) -> None:
-        # Used outside a Trainer, nothing hands over an environment: read the launcher's variables.
         ...
 
     @property
@@ -264,22 +255,8 @@ class EnvDDPStrategy(DDPStrategy):
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
-                precision plugin cannot train with (:meth:`_check_precision_plugin`).
+                precision plugin cannot train with (:func:`~lightning_ddp_amp.pytorch_lightning.trainer_flags.check_precision_plugin`).
         """
-        ...
-
-    def _check_precision_plugin(self) -> None:
-        """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
-
-        Raises:
-            StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
-                out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
-                compression hook on a model whose gradients are already half precision.
-        """
-        ...
-
-    def _requested_devices(self, devices: list[int] | str | int) -> list[torch.device] | None:
-        """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
         ...
 
     def start_missing_ranks(self) -> None:
@@ -396,20 +373,6 @@ class EnvDDPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _lightning.StrategyRegistryType) -> None:
         ...
-
-
-def _master_weights(plugin: Precision) -> bool:
-    # Asked of any precision plugin, not only AmpPrecision (which keeps fp32 master weights under apex O2).
-    ...
-
-
-def _compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
-    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
-    ...
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    ...
 
 
 _LOGGED: set[str] = set()
