@@ -36,7 +36,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -51,7 +50,7 @@ from lightning_ddp_amp.data import (
     shard_dataloader,
     warn_unshuffled_training_shards,
 )
-from lightning_ddp_amp.ddp_options import DDPOptions
+from lightning_ddp_amp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
 from lightning_ddp_amp.environment import Topology, started_by
 from lightning_ddp_amp.errors import StrategyConfigurationError
 from lightning_ddp_amp.precision import AmpPrecision, describe_crossing
@@ -73,12 +72,6 @@ from lightning_ddp_amp.resume import (
     unreadable_checkpoint,
 )
 from lightning_ddp_amp.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
-
-#: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
-COMM_HOOKS: dict[str, Callable[..., Any]] = {
-    "fp16": default_hooks.fp16_compress_hook,
-    "bf16": default_hooks.bf16_compress_hook,
-}
 
 
 class EnvDDPStrategy(DDPStrategy):
@@ -194,7 +187,7 @@ class EnvDDPStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             ddp_comm_state=ddp_comm_state,
-            ddp_comm_hook=_resolve_comm_hook(ddp_comm_hook),
+            ddp_comm_hook=resolve_comm_hook(ddp_comm_hook),
             ddp_comm_wrapper=ddp_comm_wrapper,
             process_group_backend=process_group_backend,
             timeout=_resolve_timeout(timeout),
@@ -378,7 +371,7 @@ class EnvDDPStrategy(DDPStrategy):
             check_script_group(self.topology, self._process_group_backend, self.root_device, backend_given)
             if not self.topology.is_distributed:
                 return
-        self._check_comm_hook(self._process_group_backend)
+        check_comm_hook_backend(self._ddp_comm_hook, self._ddp_comm_wrapper, self._process_group_backend)
         if script_group:
             how = ", using the process group the script created"
         elif dist.is_initialized():
@@ -574,19 +567,6 @@ class EnvDDPStrategy(DDPStrategy):
             return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
         return super().reduce(tensor, group, reduce_op)
 
-    def _check_comm_hook(self, backend: str) -> None:
-        bf16 = (
-            self._ddp_comm_hook is default_hooks.bf16_compress_hook
-            or self._ddp_comm_wrapper is default_hooks.bf16_compress_wrapper
-        )
-        if bf16 and backend != "nccl":
-            raise StrategyConfigurationError(
-                "ddp_comm_hook",
-                "bf16",
-                f"torch's bfloat16 compression hook needs NCCL (CUDA), but the process group runs {backend}",
-                'use ddp_comm_hook="fp16" on the CPU, or train on GPUs',
-            )
-
     def _route_sampler_injection(self, trainer: Any) -> None:
         if self._flags.shard_dataloaders is None:
             self._flags.shard_dataloaders = _lightning.sampler_injection(trainer)
@@ -615,19 +595,6 @@ def _log_once(message: str, warn: bool = False) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         (rank_zero_warn if warn else rank_zero_info)(message)
-
-
-def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
-    if hook is None or callable(hook):
-        return hook
-    if hook not in COMM_HOOKS:
-        raise StrategyConfigurationError(
-            "ddp_comm_hook",
-            hook,
-            f"it is not a known hook name (known: {', '.join(sorted(COMM_HOOKS))})",
-            "use one of those names, or pass the hook function itself",
-        )
-    return COMM_HOOKS[hook]
 
 
 def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:

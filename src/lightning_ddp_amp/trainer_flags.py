@@ -19,10 +19,9 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddp_amp.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
-from lightning_ddp_amp.ddp_options import DDPOptions
+from lightning_ddp_amp.ddp_options import DDPOptions, compression_dtype
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
@@ -223,7 +222,7 @@ def check_precision_plugin(
             " opt_level='O1'",
         )
     half = getattr(plugin, "model_dtype", None)
-    compression = _compression_dtype(comm_hook, comm_wrapper)
+    compression = compression_dtype(comm_hook, comm_wrapper)
     if half is not None and compression is not None:
         name = "ddp_comm_wrapper" if comm_wrapper is not None else "ddp_comm_hook"
         effect = (
@@ -242,16 +241,6 @@ def check_precision_plugin(
 def master_weights(plugin: Precision) -> bool:
     """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
     return bool(getattr(plugin, "master_weights", False))
-
-
-def _compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
-    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
-    for candidate in (wrapper, hook):
-        if candidate in (default_hooks.fp16_compress_hook, default_hooks.fp16_compress_wrapper):
-            return torch.float16
-        if candidate in (default_hooks.bf16_compress_hook, default_hooks.bf16_compress_wrapper):
-            return torch.bfloat16
-    return None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -37,7 +37,6 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -52,7 +51,7 @@ from lightning_ddp_amp.pytorch_lightning.data import (
     shard_dataloader,
     warn_unshuffled_training_shards,
 )
-from lightning_ddp_amp.ddp_options import DDPOptions
+from lightning_ddp_amp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
 from lightning_ddp_amp.environment import Topology, started_by
 from lightning_ddp_amp.errors import StrategyConfigurationError
 from lightning_ddp_amp.pytorch_lightning.precision import AmpPrecision, describe_crossing
@@ -74,12 +73,6 @@ from lightning_ddp_amp.pytorch_lightning.resume import (
     unreadable_checkpoint,
 )
 from lightning_ddp_amp.pytorch_lightning.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
-
-#: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
-COMM_HOOKS: dict[str, Callable[..., Any]] = {
-    "fp16": default_hooks.fp16_compress_hook,
-    "bf16": default_hooks.bf16_compress_hook,
-}
 
 
 class EnvDDPStrategy(DDPStrategy):
@@ -363,9 +356,6 @@ class EnvDDPStrategy(DDPStrategy):
         """
         ...
 
-    def _check_comm_hook(self, backend: str) -> None:
-        ...
-
     def _route_sampler_injection(self, trainer: Any) -> None:
         ...
 
@@ -380,10 +370,6 @@ _LOGGED: set[str] = set()
 
 def _log_once(message: str, warn: bool = False) -> None:
     """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
-    ...
-
-
-def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
     ...
 
 

@@ -20,10 +20,9 @@ import torch
 from lightning_fabric.plugins import ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
 from pytorch_lightning.plugins.precision import Precision
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
-from lightning_ddp_amp.ddp_options import DDPOptions
+from lightning_ddp_amp.ddp_options import DDPOptions, compression_dtype
 from lightning_ddp_amp.devices import select_devices
 from lightning_ddp_amp.environment import Topology, read_topology
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
@@ -135,11 +134,6 @@ def check_precision_plugin(
 
 def master_weights(plugin: Precision) -> bool:
     """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
-    ...
-
-
-def _compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
-    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
     ...
 
 
