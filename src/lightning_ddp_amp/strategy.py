@@ -233,20 +233,13 @@ class EnvDDPStrategy(DDPStrategy):
         self._flags.set_environment(environment)
 
     @property
-    def ddp_options(self) -> dict[str, Any]:
-        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
-        return self._ddp.to_kwargs(master_weights(self.precision_plugin))
+    @override
+    def num_nodes(self) -> int:
+        return self.topology.num_nodes
 
-    @property
-    def auto_resume(self) -> bool:
-        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
-        return self._resume.enabled
-
-    @property
-    def resumed_from(self) -> Path | None:
-        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
-        return self._resume.resumed_from
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
 
     @property
     @override
@@ -260,15 +253,6 @@ class EnvDDPStrategy(DDPStrategy):
         """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
         node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
         self._flags.set_devices(parallel_devices)
-
-    @property
-    @override
-    def num_nodes(self) -> int:
-        return self.topology.num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
 
     def check_trainer_flags(
         self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
@@ -340,18 +324,6 @@ class EnvDDPStrategy(DDPStrategy):
         # interface of Lightning's (private) _Launcher without deriving from it.
         self._launcher = self._resume.launcher()  # type: ignore[assignment]
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.resume.AtomicCheckpointIO`)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
     @override
     def setup_distributed(self) -> None:
         reset_seed()
@@ -422,6 +394,22 @@ class EnvDDPStrategy(DDPStrategy):
             # No DDP wrapper outside fit: start every rank from rank 0's weights, as DDP's constructor would.
             _broadcast_module_states(self.model)
 
+    @property
+    def ddp_options(self) -> dict[str, Any]:
+        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
+        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        return self._ddp.to_kwargs(master_weights(self.precision_plugin))
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        self._ddp_kwargs = self.ddp_options
+        if master_weights(self.precision_plugin):
+            for name, reason in self._ddp.kept_for_master_weights().items():
+                _log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
+        self.model = self._setup_model(self.model)
+        self._register_ddp_hooks()
+
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         if self._ddp.apex_class is not None:
@@ -429,6 +417,17 @@ class EnvDDPStrategy(DDPStrategy):
             wrapped: Any = self._ddp.apex_class(model, **self._ddp_kwargs)
             return wrapped  # type: ignore[no-any-return]
         return super()._setup_model(model)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
+        if self._ddp_comm_hook is None:
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
 
     @override
     @contextlib.contextmanager
@@ -444,6 +443,29 @@ class EnvDDPStrategy(DDPStrategy):
             yield
         finally:
             wrapper.enable_allreduce()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        return shard_dataloader(
+            dataloader,
+            stage=trainer.state.stage,
+            num_replicas=self.topology.world_size,
+            rank=self.topology.rank,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            shard=bool(self._flags.shard_dataloaders),
+            split_batches=self.split_batches,
+            exact_eval=self.exact_eval,
+            progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),
+            resuming=self._resuming,
+        )
+
+    def _route_sampler_injection(self, trainer: Any) -> None:
+        if self._flags.shard_dataloaders is None:
+            self._flags.shard_dataloaders = _lightning.sampler_injection(trainer)
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        _lightning.set_sampler_injection(trainer, self._flags.shard_dataloaders and predicting)
 
     @override
     def on_train_start(self) -> None:
@@ -478,6 +500,50 @@ class EnvDDPStrategy(DDPStrategy):
         explain_loader_state_mismatch(exception, self._resuming)
 
     @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
+
+        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
+        divide two such averages (sum of values / number of samples), so with the uneven shards of
+        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
+        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
+        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
+        """
+        if (
+            isinstance(tensor, Tensor)
+            and not tensor.is_floating_point()
+            and isinstance(reduce_op, str)
+            and reduce_op.lower() in ("mean", "avg")
+            and dist.is_initialized()
+        ):
+            total = tensor.to(torch.int64, copy=True)  # summed exactly: no overflow of small types, bools counted
+            dist.all_reduce(total, op=ReduceOp.SUM, group=group)
+            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
+        return super().reduce(tensor, group, reduce_op)
+
+    @property
+    def auto_resume(self) -> bool:
+        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
+        return self._resume.enabled
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
+        return self._resume.resumed_from
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.resume.AtomicCheckpointIO`)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Which samples a mid-epoch position names depends on the number of ranks, also for DataLoaders that record
         # no layout of their own (check_resumed_positions).
@@ -506,72 +572,6 @@ class EnvDDPStrategy(DDPStrategy):
         self._resume.stop()
         self._resuming = None
         super().teardown()
-
-    @override
-    def configure_ddp(self) -> None:
-        assert self.model is not None
-        self._ddp_kwargs = self.ddp_options
-        if master_weights(self.precision_plugin):
-            for name, reason in self._ddp.kept_for_master_weights().items():
-                _log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
-        self.model = self._setup_model(self.model)
-        self._register_ddp_hooks()
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
-        if self._ddp_comm_hook is None:
-            return
-        assert isinstance(self.model, DistributedDataParallel)
-        hook = self._ddp_comm_hook
-        if self._ddp_comm_wrapper is not None:
-            hook = self._ddp_comm_wrapper(hook)
-        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        return shard_dataloader(
-            dataloader,
-            stage=trainer.state.stage,
-            num_replicas=self.topology.world_size,
-            rank=self.topology.rank,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-            shard=bool(self._flags.shard_dataloaders),
-            split_batches=self.split_batches,
-            exact_eval=self.exact_eval,
-            progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),
-            resuming=self._resuming,
-        )
-
-    @override
-    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
-
-        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
-        divide two such averages (sum of values / number of samples), so with the uneven shards of
-        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
-        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
-        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
-        """
-        if (
-            isinstance(tensor, Tensor)
-            and not tensor.is_floating_point()
-            and isinstance(reduce_op, str)
-            and reduce_op.lower() in ("mean", "avg")
-            and dist.is_initialized()
-        ):
-            total = tensor.to(torch.int64, copy=True)  # summed exactly: no overflow of small types, bools counted
-            dist.all_reduce(total, op=ReduceOp.SUM, group=group)
-            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
-        return super().reduce(tensor, group, reduce_op)
-
-    def _route_sampler_injection(self, trainer: Any) -> None:
-        if self._flags.shard_dataloaders is None:
-            self._flags.shard_dataloaders = _lightning.sampler_injection(trainer)
-        predicting = trainer.state.fn == TrainerFn.PREDICTING
-        _lightning.set_sampler_injection(trainer, self._flags.shard_dataloaders and predicting)
 
     @classmethod
     @override

@@ -198,20 +198,13 @@ class EnvDDPStrategy(DDPStrategy):
         ...
 
     @property
-    def ddp_options(self) -> dict[str, Any]:
-        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+    @override
+    def num_nodes(self) -> int:
         ...
 
-    @property
-    def auto_resume(self) -> bool:
-        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
-        ...
-
-    @property
-    def resumed_from(self) -> Path | None:
-        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
-        ...
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
 
     @property
     @override
@@ -225,15 +218,6 @@ class EnvDDPStrategy(DDPStrategy):
         """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
         node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
         ...
-
-    @property
-    @override
-    def num_nodes(self) -> int:
-        ...
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
 
     def check_trainer_flags(
         self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
@@ -274,16 +258,6 @@ class EnvDDPStrategy(DDPStrategy):
         # interface of Lightning's (private) _Launcher without deriving from it.
         ...
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.pytorch_lightning.resume.AtomicCheckpointIO`)."""
-        ...
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        ...
-
     @override
     def setup_distributed(self) -> None:
         ...
@@ -292,13 +266,35 @@ class EnvDDPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         ...
 
+    @property
+    def ddp_options(self) -> dict[str, Any]:
+        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
+        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        ...
+
+    @override
+    def configure_ddp(self) -> None:
+        ...
+
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         ...
 
     @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
+        ...
+
+    @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
+        ...
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        ...
+
+    def _route_sampler_injection(self, trainer: Any) -> None:
         ...
 
     @override
@@ -318,33 +314,6 @@ class EnvDDPStrategy(DDPStrategy):
         ...
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # Which samples a mid-epoch position names depends on the number of ranks, also for DataLoaders that record
-        # no layout of their own (check_resumed_positions).
-        ...
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        ...
-
-    @override
-    def teardown(self) -> None:
-        ...
-
-    @override
-    def configure_ddp(self) -> None:
-        ...
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
-        ...
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        ...
-
-    @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
 
@@ -356,7 +325,38 @@ class EnvDDPStrategy(DDPStrategy):
         """
         ...
 
-    def _route_sampler_injection(self, trainer: Any) -> None:
+    @property
+    def auto_resume(self) -> bool:
+        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
+        ...
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
+        ...
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.pytorch_lightning.resume.AtomicCheckpointIO`)."""
+        ...
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        ...
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Which samples a mid-epoch position names depends on the number of ranks, also for DataLoaders that record
+        # no layout of their own (check_resumed_positions).
+        ...
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        ...
+
+    @override
+    def teardown(self) -> None:
         ...
 
     @classmethod
