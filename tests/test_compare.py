@@ -24,8 +24,17 @@ import pytest
 import torch
 from conftest import WORKERS, needs_cpu_fp16, worker_env
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from lightning_ddp_amp import compare, compare_recorder, compare_report
+import lightning_ddp_amp
+from lightning_ddp_amp import (
+    AmpPrecision,
+    EnvDDPStrategy,
+    StrategyConfigurationError,
+    compare,
+    compare_recorder,
+    compare_report,
+)
 from lightning_ddp_amp.compare_recorder import FINAL_WEIGHTS, PLAN_VARIABLE
 from lightning_ddp_amp.compare_report import Candidate
 
@@ -510,13 +519,85 @@ def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callab
     given: dict[str, Any] = {"logger": [pl.loggers.CSVLogger("script_logs", name="mine"), Remote()]}
     changes = compare_recorder.Changes()
     plan = compare_recorder.Plan("c", "32-true", 5, str(tmp_path))
-    compare_recorder._replace_arguments(given, inspect.signature(pl.Trainer.__init__), plan, changes, pl)
+    defaults = compare_recorder._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
+    compare_recorder._replace_arguments(given, defaults, plan, changes, pl)
     csv, dummy = given["logger"]
     assert (csv.save_dir, csv.name) == (str(tmp_path / "logs"), "mine")
     assert changes.turned_off == ["Remote"]
     dummy.experiment.log({"anything": 1})  # what a script calls on its W&B logger, swallowed
     assert dummy.save_dir == str(tmp_path / "logs")  # where LightningCLI saves its config
     assert "turned off Remote: it cannot write into the candidate's folder" in changes.describe("c")
+
+
+def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    class MyTrainer(pl.Trainer):
+        pass
+
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "7")
+    monkeypatch.setenv("PL_MYTRAINER_MAX_STEPS", "9")
+    monkeypatch.setenv("PL_TRAINER_DEFAULT_ROOT_DIR", "")  # empty: Lightning ignores it
+    for trainer_class, max_steps in ((pl.Trainer, 7), (MyTrainer, 9)):
+        defaults = compare_recorder._trainer_defaults(trainer_class, inspect.signature(trainer_class.__init__), pl)
+        built = trainer_class(logger=False, enable_checkpointing=False)
+        assert defaults["max_steps"] == built.max_steps == max_steps
+        assert defaults["default_root_dir"] is None
+        assert defaults["precision"] is None  # the signature's default, for an argument no variable sets
+
+
+def test_a_script_amp_precision_a_level_refuses_keeps_only_models_and_num_losses() -> None:
+    changes = compare_recorder.Changes()
+    configured = AmpPrecision(opt_level="O2", backend="native", keep_batchnorm_fp32=True, num_losses=2)
+    built = compare_recorder._amp_plugin(pl, "O1", "native", configured, changes)
+    assert (built.opt_level, built.num_losses, built.keep_batchnorm_fp32) == ("O1", 2, None)
+    assert changes.replaced[0].startswith("kept only models and num_losses of the script's AmpPrecision (")
+
+
+def test_an_error_other_than_a_precision_setting_refused_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(AmpPrecision):
+        """Test double: an AmpPrecision that fails for a reason of its own when given the carried settings."""
+
+        def __init__(self, **settings: Any) -> None:
+            if "loss_scale" in settings:
+                raise RuntimeError("broken")
+            super().__init__(**settings)
+
+    monkeypatch.setattr(lightning_ddp_amp, "AmpPrecision", Broken)
+    configured = AmpPrecision(opt_level="O1", backend="native")
+    with pytest.raises(RuntimeError, match="broken"):
+        compare_recorder._amp_plugin(pl, "O2", "native", configured, compare_recorder.Changes())
+
+
+class RestoresAfterSetup(SingleDeviceStrategy):
+    """Test double: a strategy that restores checkpoints after its setup, as FSDP and DeepSpeed do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def test_a_strategy_that_restores_checkpoints_after_its_setup_is_refused_when_the_trainer_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
+        monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
+    compare_recorder.Plan("c", "32-true", 5, str(tmp_path)).write(tmp_path / "plan.json")
+    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    pl.Trainer(strategy=SingleDeviceStrategy("cpu"), logger=False)
+    with pytest.raises(StrategyConfigurationError) as raised:
+        pl.Trainer(strategy=RestoresAfterSetup("cpu"), logger=False)
+    assert str(raised.value) == (
+        "strategy='RestoresAfterSetup': it restores a checkpoint only after strategy.setup"
+        " (restore_checkpoint_after_setup=True), but compare checks that every run starts from the same weights when"
+        " strategy.setup begins. Fix: compare under a strategy that restores checkpoints before its setup, e.g."
+        " strategy='envddp' or 'ddp'"
+    )
+
+
+def test_lightnings_strategies_that_restore_after_setup_are_refused_and_the_others_pass() -> None:
+    compare_recorder.check_restores_before_setup(pl.strategies.DDPStrategy())
+    compare_recorder.check_restores_before_setup(EnvDDPStrategy())
+    with pytest.raises(StrategyConfigurationError, match=r"^strategy='FSDPStrategy': "):
+        compare_recorder.check_restores_before_setup(pl.strategies.FSDPStrategy())
 
 
 @needs_cpu_fp16

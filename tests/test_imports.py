@@ -2,7 +2,8 @@
 
 * No import cycles: every import counts, at module level, inside functions and under ``if TYPE_CHECKING:``.
 * ``_lightning.py`` is the one door to Lightning's private API: no other module imports a private Lightning name,
-  or reaches for an underscore attribute of an object other than its own (``self``/``cls``). What a subclass
+  or reaches for an underscore attribute of an object other than its own (``self``/``cls``), also by a string
+  (``getattr``, ``attrgetter``) or through the signature of a private function. What a subclass
   inherits from Lightning (``self._launcher``, ...) is checked against Lightning's classes in
   ``tests/test_lightning_internals.py``.
 """
@@ -24,6 +25,7 @@ UNDOCUMENTED_LIGHTNING = (
     "lightning.pytorch.overrides",
     "lightning.pytorch.loops",
     "lightning.pytorch.trainer.connectors",
+    "lightning.pytorch.loggers.logger",
 )
 
 #: Attributes without an underscore on Lightning objects that its documentation does not cover: its loops' parts.
@@ -168,21 +170,54 @@ def test_only_the_fence_imports_private_lightning_names() -> None:
     assert private_lightning_imports() == []
 
 
+#: Calls that read an attribute named by a string: the second argument (or ``name=``) is the attribute's name.
+REFLECTIVE = ("getattr", "setattr", "hasattr", "delattr", "builtins.getattr", "inspect.getattr_static")
+#: Calls that read attributes by dotted strings, every argument one.
+ATTRGETTERS = ("attrgetter", "operator.attrgetter")
+#: Calls that read a function's signature from the function itself, its first argument.
+SIGNATURES = (
+    "signature",
+    "inspect.signature",
+    "inspect.Signature.from_callable",
+    "getfullargspec",
+    "inspect.getfullargspec",
+)
+
+
 class _ForeignPrivateAttributes(ast.NodeVisitor):
     """Collects underscore attributes read from an object that is not self or cls, and Lightning's loop parts.
 
-    ``super()._x`` counts unless the enclosing method is ``_x`` itself (an override calling the one it overrides);
-    ``getattr(x, "_y")`` and its siblings count as reading ``x._y``.
+    ``super()._x`` counts unless the enclosing method is ``_x`` itself (an override calling the one it overrides).
+    ``getattr(x, "_y")`` and its siblings count as reading ``x._y``, also when the string is a constant bound to a
+    name (``NAME = "_y"``). The signature of a private function counts (``inspect.signature(trainer._fit_impl)``),
+    and so does the signature of a function handed in as a parameter, whose owner the check cannot see: such a
+    callable is Lightning's (a launcher is handed ``Trainer._fit_impl``), so it is bound in the fence.
     """
 
     def __init__(self) -> None:
         self.found: list[tuple[int, str]] = []
         self.function = ""
+        self.parameters: set[str] = set()
+        self.strings: dict[str, str] = {}
+
+    def visit_Module(self, node: ast.Module) -> None:
+        for each in ast.walk(node):
+            if (
+                isinstance(each, ast.Assign)
+                and isinstance(each.value, ast.Constant)
+                and isinstance(each.value.value, str)
+            ):
+                named = [target.id for target in each.targets if isinstance(target, ast.Name)]
+                self.strings |= dict.fromkeys(named, each.value.value)
+        self.generic_visit(node)
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
-        outer, self.function = self.function, node.name
+        outer = self.function, self.parameters
+        arguments = node.args
+        every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg, arguments.kwarg]
+        self.function, self.parameters = node.name, {each.arg for each in every if each is not None}
         self.generic_visit(node)
-        self.function = outer
+        self.function, self.parameters = outer
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         owner = node.value
@@ -195,12 +230,33 @@ class _ForeignPrivateAttributes(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
-        name = node.args[1] if len(node.args) > 1 else None
-        text = name.value if isinstance(name, ast.Constant) else None
-        reflective = ast.unparse(node.func) in ("getattr", "setattr", "hasattr", "delattr")
-        if reflective and isinstance(text, str) and _private(text) and text not in NOT_LIGHTNING:
+        function = ast.unparse(node.func)
+        named: list[ast.expr] = []
+        if function in REFLECTIVE:
+            named = [*node.args[1:2], *(keyword.value for keyword in node.keywords if keyword.arg == "name")]
+        elif function in ATTRGETTERS:
+            named = list(node.args)
+        names = [part for each in named for part in (self._string(each) or "").split(".")]
+        if any(_private(name) and name not in NOT_LIGHTNING for name in names):
+            self.found.append((node.lineno, ast.unparse(node)))
+        if function in SIGNATURES and node.args and self._private_callable(node.args[0]):
             self.found.append((node.lineno, ast.unparse(node)))
         self.generic_visit(node)
+
+    def _string(self, node: ast.expr) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return self.strings.get(node.id) if isinstance(node, ast.Name) else None
+
+    def _private_callable(self, node: ast.expr) -> bool:
+        """Whether ``node`` names a private function, or one handed in as a parameter."""
+        if isinstance(node, ast.Name) and node.id in self.parameters:
+            return True
+        return any(
+            (isinstance(each, ast.Attribute) and _private(each.attr))
+            or (isinstance(each, ast.Name) and _private(each.id))
+            for each in ast.walk(node)
+        )
 
 
 def foreign_private_attributes() -> list[str]:
@@ -223,11 +279,21 @@ def test_only_the_fence_reads_underscore_attributes_of_other_objects() -> None:
     [
         ("from lightning.fabric.strategies.registry import _StrategyRegistry", ["_StrategyRegistry"]),
         ("from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler", ["Unrepeated"]),
+        ("from lightning.pytorch.loggers.logger import DummyLogger", ["DummyLogger"]),
         ("import lightning.pytorch.trainer.connectors.accelerator_connector as c", ["connectors"]),
         ("from lightning.pytorch.strategies import DDPStrategy", []),
         ("x.trainer._accelerator_connector", ["_accelerator_connector"]),
         ("trainer.fit_loop.epoch_loop.batch_progress.current", ["batch_progress", "epoch_loop"]),
         ("getattr(loop, '_broadcast_sigterm_tensor')", ["_broadcast_sigterm_tensor"]),
+        ("hasattr(loop, name='_broadcast_sigterm_tensor')", ["_broadcast_sigterm_tensor"]),
+        ("NAME = '_broadcast_sigterm_tensor'\nsetattr(loop, NAME, None)", ["NAME"]),
+        ("import operator\noperator.attrgetter('fit_loop._data_source')(trainer)", ["_data_source"]),
+        ("getattr(loop, 'broadcast')", []),
+        ("import inspect\ninspect.signature(self._fit_impl)", ["_fit_impl"]),
+        ("from inspect import signature\nsignature(getattr(t, '_fit_impl'))", ["_fit_impl"]),
+        ("import inspect\ndef launch(function, *args):\n    inspect.signature(function).bind(*args)", ["function"]),
+        ("import inspect\ndef f(cls):\n    fit = cls.fit\n    inspect.signature(fit)", []),
+        ("import inspect\ninspect.signature(Trainer.__init__)", []),
         ("class A:\n    def _setup_model(self, m):\n        return super()._setup_model(m) + self._ddp_kwargs", []),
         ("class A:\n    def setup(self, m):\n        return super()._setup_model(m)", ["_setup_model"]),
     ],

@@ -30,7 +30,7 @@ from packaging.version import Version
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 import lightning_ddp_amp
-from lightning_ddp_amp import EnvDDPStrategy, _lightning
+from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, _lightning
 from lightning_ddp_amp.precision import resolve_precision_flag
 
 DATASET = TensorDataset(torch.arange(8))
@@ -45,15 +45,15 @@ def test_tested_range_covers_the_installed_lightning() -> None:
 
 def test_trainer_hook_is_installed_once() -> None:
     hooked = _AcceleratorConnector.__init__
-    _lightning.install_trainer_hook(resolve_precision_flag)
+    _lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision)
     assert _AcceleratorConnector.__init__ is hooked
 
 
-class FlagRecordingStrategy(SingleDeviceStrategy):
-    """Test double: a strategy that records what the hook passes to ``check_trainer_flags``."""
+class FlagRecordingStrategy(EnvDDPStrategy):
+    """Test double: envddp, recording what the hook passes to ``check_trainer_flags``."""
 
     def __init__(self) -> None:
-        super().__init__(device="cpu")
+        super().__init__()
         self.flags: dict[str, Any] = {}
 
     def check_trainer_flags(self, devices: Any, num_nodes: int, use_distributed_sampler: bool) -> None:
@@ -62,10 +62,25 @@ class FlagRecordingStrategy(SingleDeviceStrategy):
 
 def test_trainer_hook_passes_the_raw_devices_and_num_nodes() -> None:
     default, explicit = FlagRecordingStrategy(), FlagRecordingStrategy()
-    L.Trainer(strategy=default, logger=False)
-    L.Trainer(strategy=explicit, devices=1, logger=False, use_distributed_sampler=False)
+    L.Trainer(strategy=default, accelerator="cpu", logger=False)
+    L.Trainer(strategy=explicit, accelerator="cpu", devices=1, logger=False, use_distributed_sampler=False)
     assert default.flags == {"devices": "auto", "num_nodes": 1, "use_distributed_sampler": True}
     assert explicit.flags == {"devices": 1, "num_nodes": 1, "use_distributed_sampler": False}
+
+
+def test_trainer_env_defaults_are_what_the_trainer_takes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "7")
+    monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")
+    assert _lightning.trainer_env_defaults(L.Trainer) == {"max_steps": 7, "accelerator": "cpu"}
+    assert L.Trainer(logger=False).max_steps == 7
+
+
+def test_the_dummy_logger_is_a_logger_that_swallows_whatever_is_logged_through_it() -> None:
+    logger = _lightning.DummyLogger()
+    assert isinstance(logger, L.pytorch.loggers.Logger)
+    logger.log_metrics({"loss": 1.0})
+    logger.experiment.log({"anything": 1})  # what a script calls on its own logger's experiment
+    assert logger.any_method_at_all(1) is None
 
 
 def test_sampler_injection_flag_round_trips() -> None:
@@ -105,8 +120,8 @@ def test_trainer_hook_reads_the_connector_arguments_it_hands_on() -> None:
     assert {"precision", "plugins", "devices", "num_nodes", "use_distributed_sampler"} <= parameters.keys()
 
 
-class SetupRecordingPrecision(Precision):
-    """Test double: a precision plugin that records what the hook passes to ``check_trainer_setup``."""
+class SetupRecordingPrecision(AmpPrecision):
+    """Test double: AmpPrecision, recording what the hook passes to ``check_trainer_setup``."""
 
     seen: tuple[Any, Any] | None = None
 
@@ -115,9 +130,81 @@ class SetupRecordingPrecision(Precision):
 
 
 def test_trainer_hook_hands_the_finished_strategy_and_accelerator_to_the_precision_plugin() -> None:
-    plugin = SetupRecordingPrecision()
+    plugin = SetupRecordingPrecision(backend="native")
     trainer = L.Trainer(accelerator="cpu", plugins=[plugin], logger=False)
     assert plugin.seen == (trainer.strategy, trainer.accelerator)
+
+
+class AsksNothing(SingleDeviceStrategy):
+    """Test double: a strategy of the user's own whose methods share the names of envddp's Trainer checks."""
+
+    def check_trainer_flags(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the hook asked a strategy that is not envddp")
+
+    def start_missing_ranks(self) -> None:
+        raise AssertionError("the hook asked a strategy that is not envddp")
+
+
+class ChecksNothing(Precision):
+    """Test double: a precision plugin of the user's own with a method named as AmpPrecision's Trainer check."""
+
+    def check_trainer_setup(self, *args: Any) -> None:
+        raise AssertionError("the hook asked a precision plugin that is not AmpPrecision")
+
+
+def test_trainer_hook_asks_only_the_packages_own_strategy_and_precision_plugin() -> None:
+    trainer = L.Trainer(strategy=AsksNothing("cpu"), plugins=[ChecksNothing()], logger=False)
+    assert (type(trainer.strategy), type(trainer.precision_plugin)) == (AsksNothing, ChecksNothing)
+
+
+TORCHRUN = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "none",
+}
+#: Trainers that never ask for envddp or AmpPrecision, and the launcher variables they are built under.
+LIGHTNINGS_OWN = {
+    "defaults": ({"accelerator": "cpu"}, {}),
+    "ddp": ({"accelerator": "cpu", "strategy": "ddp", "devices": 2}, {}),
+    "ddp-under-torchrun": ({"accelerator": "cpu", "strategy": "ddp", "devices": 2}, TORCHRUN),
+    "bf16-mixed": ({"accelerator": "cpu", "precision": "bf16-mixed", "devices": 1}, {}),
+    "explicit-defaults": ({"accelerator": "cpu", "strategy": "auto", "devices": 1, "num_nodes": 1}, {}),
+}
+
+
+def _built(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    trainer = L.Trainer(logger=False, **kwargs)
+    strategy = trainer.strategy
+    environment = getattr(strategy, "cluster_environment", None)
+    return (
+        type(trainer.accelerator),
+        type(strategy),
+        getattr(strategy, "parallel_devices", None),
+        type(trainer.precision_plugin),
+        trainer.precision_plugin.precision,
+        type(environment),
+        type(trainer.accelerator).__module__.split(".")[0],
+        type(strategy).__module__.split(".")[0],
+        type(trainer.precision_plugin).__module__.split(".")[0],
+        type(environment).__module__.split(".")[0],
+    )
+
+
+@pytest.mark.parametrize(("kwargs", "environ"), LIGHTNINGS_OWN.values(), ids=LIGHTNINGS_OWN.keys())
+def test_a_trainer_that_never_asks_for_the_package_is_built_by_lightning_alone(
+    kwargs: dict[str, Any], environ: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    hooked = _built(kwargs)
+    monkeypatch.setattr(_AcceleratorConnector, "__init__", _AcceleratorConnector.__init__.__wrapped__)
+    assert hooked == _built(kwargs)
+    assert set(hooked[-4:]) <= {"lightning", "builtins"}  # builtins: a strategy without a cluster environment
 
 
 def test_optimizers_to_device_moves_the_state_an_optimizer_holds() -> None:
@@ -127,6 +214,33 @@ def test_optimizers_to_device_moves_the_state_an_optimizer_holds() -> None:
     optimizer.step()
     _lightning.optimizers_to_device([optimizer], torch.device("meta"))
     assert optimizer.state[parameter]["momentum_buffer"].device.type == "meta"
+
+
+class AskingLauncher:
+    """Test double: a launcher that answers the fence's question about the fit it is handed, and runs nothing."""
+
+    is_interactive_compatible = True
+
+    def __init__(self) -> None:
+        self.answers: list[bool] = []
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("trainer", None)
+        self.answers.append(_lightning.launched_with_ckpt_path(function, args, kwargs))
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill."""
+
+
+def test_launched_with_ckpt_path_tells_whether_the_fit_handed_to_a_launcher_was_given_one(tmp_path: Path) -> None:
+    trainer = _quiet_trainer()
+    launcher = AskingLauncher()
+    trainer.strategy._launcher = launcher  # type: ignore[assignment]
+    model, loader = BoringModel(), DataLoader(torch.randn(4, 32))
+    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=tmp_path / "by_name.ckpt")
+    trainer.fit(model, loader, None, None, tmp_path / "in_place.ckpt")
+    assert launcher.answers == [False, True, True]
 
 
 #: Lightning broadcasts rank 0's SIGTERM flag at every training step from this release on.
@@ -337,6 +451,30 @@ def test_the_strategy_registry_type_is_the_type_of_lightnings_registry() -> None
     registry = _lightning.StrategyRegistryType()
     EnvDDPStrategy.register_strategies(registry)
     assert registry.available_strategies() == ["envddp", "envddp_find_unused_parameters_true"]
+
+
+def _lightning_imports_from_modules_their_package_exports() -> list[str]:
+    """``module:line name`` for each public Lightning name imported from a module file whose package has it too."""
+    found = []
+    for path in sorted(Path(lightning_ddp_amp.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lightning"):
+                continue
+            if hasattr(importlib.import_module(node.module), "__path__"):
+                continue  # a package: the path Lightning exports its names on
+            package = importlib.import_module(node.module.rpartition(".")[0])
+            found += [
+                f"{path.stem}:{node.lineno} {alias.name}" for alias in node.names if _public_on(package, alias.name)
+            ]
+    return found
+
+
+def _public_on(package: Any, name: str) -> bool:
+    return not _protected(name) and hasattr(package, name)
+
+
+def test_lightning_names_are_imported_from_the_package_that_exports_them() -> None:
+    assert _lightning_imports_from_modules_their_package_exports() == []
 
 
 def _package_classes() -> Iterator[type[Any]]:

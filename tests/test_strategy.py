@@ -171,6 +171,15 @@ def test_bf16_compression_on_gloo_is_an_error_before_the_process_group_starts(tw
     assert not dist.is_initialized()
 
 
+def test_an_unknown_comm_hook_name_is_an_error_that_lists_the_known_ones() -> None:
+    with pytest.raises(StrategyConfigurationError) as raised:
+        EnvDDPStrategy(ddp_comm_hook="fp8")  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "ddp_comm_hook='fp8': it is not a known hook name (known: bf16, fp16). Fix: use one of those names, or pass"
+        " the hook function itself"
+    )
+
+
 def test_strategy_instance_gets_the_same_checks(two_ranks: None) -> None:
     with pytest.raises(TopologyMismatchError, match=r"^devices=3"):
         trainer(strategy=EnvDDPStrategy(), devices=3)

@@ -49,7 +49,7 @@ __all__ = [
 
 if EnvDDPStrategy.strategy_name not in StrategyRegistry:
     EnvDDPStrategy.register_strategies(StrategyRegistry)
-_lightning.install_trainer_hook(resolve_precision_flag)
+_lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision)
 
 if __name__ == "lightning_ddp_amp":  # not in lightning_ddp_amp.pytorch_lightning, which is built from this file
     from lightning_ddp_amp import _namespaces

@@ -23,6 +23,10 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+# Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
+# re-exported for compare_recorder, which turns off the loggers it cannot point into a run's folder.
+from lightning.pytorch.loggers.logger import DummyLogger as DummyLogger
+
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
 # outside its documented API; re-exported for data.py.
 from lightning.pytorch.overrides.distributed import (
@@ -34,6 +38,7 @@ from lightning.pytorch.overrides.distributed import (
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from lightning.pytorch.utilities.argparse import _parse_env_variables
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from packaging.version import Version
 from torch.optim import Optimizer
@@ -72,24 +77,32 @@ _MARK = "__lightning_ddp_amp_hook__"
 PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
 
 
-def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
+def install_trainer_hook(
+    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+) -> None:
     """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
     Why: Lightning has no public extension point for either of these.
 
     * ``Trainer(precision="apex-O1")`` / ``"amp-O1"``: Lightning validates precision strings against a fixed list,
-      so the wrapper turns ours into an :class:`~lightning_ddp_amp.AmpPrecision` plugin before Lightning sees them
-      (any other value, valid or not, reaches Lightning unchanged).
+      so the wrapper turns ours into an :class:`~lightning_ddp_amp.AmpPrecision` plugin before Lightning sees them.
+      Any other value, valid or not, reaches Lightning unchanged, and the connector is then called with exactly the
+      Trainer's arguments.
     * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
-      "explicitly 1" look the same; the wrapper hands the raw ``devices`` and ``num_nodes`` to the strategy's
-      ``check_trainer_flags``, then calls its ``start_missing_ranks`` (envddp without a launcher starts its ranks
-      there), and hands the finished strategy and accelerator to the precision plugin's ``check_trainer_setup``.
+      "explicitly 1" look the same; when the strategy is ``strategy_class`` the wrapper hands it the raw ``devices``
+      and ``num_nodes`` (``check_trainer_flags``), then calls its ``start_missing_ranks`` (envddp without a launcher
+      starts its ranks there). When the precision plugin is ``precision_class``, it is handed the finished strategy
+      and accelerator (``check_trainer_setup``).
 
-    Idempotent. The package hands over its precision resolver, so that this module imports none of its own.
+    Any other Trainer is built by Lightning alone: its strategy, precision plugin and environment are Lightning's.
+    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own.
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
             (:func:`lightning_ddp_amp.precision.resolve_precision_flag`).
+        strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.EnvDDPStrategy`).
+        precision_class: The precision plugin that checks the finished Trainer
+            (:class:`~lightning_ddp_amp.AmpPrecision`).
     """
     if getattr(_AcceleratorConnector.__init__, _MARK, False):
         return
@@ -108,25 +121,37 @@ def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
         arguments = signature.bind(self, *args, **kwargs)
         arguments.apply_defaults()
         given = arguments.arguments
-        given["precision"], given["plugins"] = resolve_precision(given["precision"], given["plugins"])
-        original(*arguments.args, **arguments.kwargs)
-        check_flags = getattr(self.strategy, "check_trainer_flags", None)
-        if callable(check_flags):
-            check_flags(
+        precision, plugins = resolve_precision(given["precision"], given["plugins"])
+        if precision is given["precision"] and plugins is given["plugins"]:
+            original(self, *args, **kwargs)
+        else:
+            given["precision"], given["plugins"] = precision, plugins
+            original(*arguments.args, **arguments.kwargs)
+        strategy: Any = self.strategy
+        if isinstance(strategy, strategy_class):
+            strategy.check_trainer_flags(
                 devices=given["devices"],
                 num_nodes=given["num_nodes"],
                 use_distributed_sampler=given["use_distributed_sampler"],
             )
-        # envddp without a launcher starts its ranks here, before the script goes on (EnvDDPStrategy explains why).
-        start_ranks = getattr(self.strategy, "start_missing_ranks", None)
-        if callable(start_ranks):
-            start_ranks()
-        check_setup = getattr(self.precision_plugin, "check_trainer_setup", None)
-        if callable(check_setup):
-            check_setup(self.strategy, self.accelerator)
+            # envddp without a launcher starts its ranks here, before the script goes on (EnvDDPStrategy says why).
+            strategy.start_missing_ranks()
+        plugin: Any = self.precision_plugin
+        if isinstance(plugin, precision_class):
+            plugin.check_trainer_setup(strategy, self.accelerator)
 
     setattr(__init__, _MARK, True)
     _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]
+
+
+def trainer_env_defaults(trainer_class: type[pl.Trainer]) -> dict[str, Any]:
+    """The arguments environment variables give a ``trainer_class(...)`` that leaves them out, by name.
+
+    ``PL_TRAINER_MAX_STEPS=5`` for ``Trainer``, ``PL_MYTRAINER_MAX_STEPS=5`` for a subclass ``MyTrainer``, each
+    value parsed as a Python literal where it is one. Why: Lightning reads them in a private decorator of
+    ``Trainer.__init__``, and offers no public way to ask.
+    """
+    return dict(vars(_parse_env_variables(trainer_class)))
 
 
 def sampler_injection(trainer: pl.Trainer) -> bool:
@@ -144,6 +169,24 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     itself (:mod:`lightning_ddp_amp.data`) and leaves only prediction to Lightning.
     """
     trainer._accelerator_connector.use_distributed_sampler = enabled
+
+
+def launched_with_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the fit a strategy's launcher is asked to run was given a ``ckpt_path``.
+
+    Why: ``trainer.fit`` hands the launcher its private ``Trainer._fit_impl`` and ``fit``'s arguments, positional
+    ones among them; only that method's signature tells which of them is ``ckpt_path``.
+
+    Args:
+        function: What the launcher was handed to run.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+    """
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("ckpt_path") is not None
 
 
 def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> None:

@@ -15,6 +15,9 @@ with these changes, which rank 0 lists once when ``fit`` starts:
 * ``fit`` starts from the plan's checkpoint when the script passes no ``ckpt_path``;
 * a :class:`Recording` callback is added.
 
+A strategy that restores a checkpoint only after its ``setup`` (``restore_checkpoint_after_setup``: FSDP, DeepSpeed)
+is refused when the Trainer is built: the starting weights are compared where ``setup`` begins.
+
 A *step* is one call of an optimizer's ``step`` through Lightning, skipped AMP steps included; that is what
 Lightning's ``global_step`` and ``max_steps`` count, and ``max_steps`` ends ``fit`` even before ``min_steps`` or
 ``min_epochs`` (those only hold back ``should_stop``). Per step the callback keeps, on the device: the loss
@@ -22,12 +25,12 @@ Lightning's ``global_step`` and ``max_steps`` count, and ``max_steps`` ends ``fi
 global norm of the gradients of what the optimizer steps (before clipping, after unscaling), the loss scale, whether
 the step was skipped, the learning rate and the step's time (CUDA events on a GPU). Nothing of it is read back
 until ``fit`` ends; then one ``all_gather_object`` brings every rank's record to rank 0, which writes ``record.json``
-and the final weights. The module imports no Lightning namespace itself: :func:`patch` is given one.
+and the final weights. The module imports no Lightning namespace itself: :func:`patch` is given one, and what it
+needs of Lightning's private API comes from that namespace's flavour of :mod:`lightning_ddp_amp._lightning`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import hashlib
@@ -47,6 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 
 #: The environment variable naming a run's plan file (``_compare_site/sitecustomize.py`` reads it too).
 PLAN_VARIABLE = "LIGHTNING_DDP_AMP_COMPARE"
@@ -136,9 +141,10 @@ def patch(namespace: str, plan_file: str) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         given = init_signature.bind(self, *args, **kwargs).arguments
         changes = Changes()
-        _replace_arguments(given, init_signature, plan, changes, pl)
+        _replace_arguments(given, _trainer_defaults(type(self), init_signature, pl), plan, changes, pl)
         given["callbacks"] = [*_as_list(given.get("callbacks")), recording_class(plan, changes)]
         init(given.pop("self"), **given)
+        check_restores_before_setup(self.strategy)
         _redirect_checkpoints(self, plan, changes, pl)
 
     @functools.wraps(fit)
@@ -153,22 +159,49 @@ def patch(namespace: str, plan_file: str) -> None:
     trainer_class.fit = fit_from_plan
 
 
+def check_restores_before_setup(strategy: Any) -> None:
+    """Refuse a strategy that restores a checkpoint after its ``setup``, where compare hashes the starting weights.
+
+    Raises:
+        StrategyConfigurationError: ``strategy.restore_checkpoint_after_setup`` is True (FSDP, DeepSpeed).
+    """
+    if strategy.restore_checkpoint_after_setup:
+        raise StrategyConfigurationError(
+            "strategy",
+            type(strategy).__name__,
+            "it restores a checkpoint only after strategy.setup (restore_checkpoint_after_setup=True), but compare"
+            " checks that every run starts from the same weights when strategy.setup begins",
+            "compare under a strategy that restores checkpoints before its setup, e.g. strategy='envddp' or 'ddp'",
+        )
+
+
+def _trainer_defaults(trainer_class: type[Any], signature: inspect.Signature, pl: Any) -> dict[str, Any]:
+    """The value each argument left out of ``Trainer(...)`` takes: ``PL_TRAINER_*`` environment variables as Lightning
+    reads them, else the signature's default."""
+    defaults = {
+        name: parameter.default
+        for name, parameter in signature.parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+    return {**defaults, **_fence(pl).trainer_env_defaults(trainer_class)}
+
+
 def _replace_arguments(
-    given: dict[str, Any], signature: inspect.Signature, plan: Plan, changes: Changes, pl: Any
+    given: dict[str, Any], defaults: Mapping[str, Any], plan: Plan, changes: Changes, pl: Any
 ) -> None:
     """Change the Trainer's arguments as the module docstring lists; only given names are passed on, so Lightning's
-    ``PL_TRAINER_*`` environment defaults still apply to the rest."""
+    ``PL_TRAINER_*`` environment defaults still apply to the rest.
+
+    Args:
+        given: The arguments the script passed, by name; changed in place.
+        defaults: The value of each argument left out (:func:`_trainer_defaults`).
+        plan: This run's plan.
+        changes: Where the changes are listed.
+        pl: The Lightning namespace of the Trainer.
+    """
 
     def value(name: str) -> Any:
-        if name in given:
-            return given[name]
-        from_env = os.environ.get(f"PL_TRAINER_{name.upper()}")  # read as Lightning's _defaults_from_env_vars does
-        if from_env is None:
-            return signature.parameters[name].default
-        try:
-            return ast.literal_eval(from_env)
-        except (ValueError, SyntaxError):
-            return from_env
+        return given[name] if name in given else defaults[name]
 
     changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
     plugins = _as_list(value("plugins"))
@@ -209,7 +242,7 @@ def _replace_arguments(
                 # the candidate's, where LightningCLI saves its config.
                 dummy = type(
                     "TurnedOffLogger",
-                    (pl.loggers.logger.DummyLogger,),
+                    (_fence(pl).DummyLogger,),
                     {"save_dir": property(lambda _: logs)},
                 )
                 kept.append(dummy())
@@ -226,7 +259,7 @@ def _amp_plugin(pl: Any, opt_level: str, backend: str, configured: Any, changes:
     settings["dtype"] = "bfloat16" if configured.dtype == torch.bfloat16 else "float16"
     try:
         built = amp_precision(opt_level=opt_level, backend=backend, **settings)
-    except Exception as error:  # a setting this level refuses (keep_batchnorm_fp32 under O1, ...)
+    except PrecisionConfigurationError as error:  # a setting this level refuses (keep_batchnorm_fp32 under O1, ...)
         kept = {name: settings[name] for name in ("models", "num_losses")}
         built = amp_precision(opt_level=opt_level, backend=backend, **kept)
         changes.replaced.append(f"kept only models and num_losses of the script's AmpPrecision ({error})")
@@ -237,8 +270,17 @@ def _amp_plugin(pl: Any, opt_level: str, backend: str, configured: Any, changes:
 
 def _amp_precision(pl: Any) -> Any:
     """AmpPrecision of the namespace the Trainer belongs to."""
-    package = "lightning_ddp_amp.pytorch_lightning" if pl.__name__ == "pytorch_lightning" else "lightning_ddp_amp"
-    return importlib.import_module(package).AmpPrecision
+    return importlib.import_module(_flavour(pl)).AmpPrecision
+
+
+def _fence(pl: Any) -> Any:
+    """:mod:`lightning_ddp_amp._lightning` of the namespace the Trainer belongs to."""
+    return importlib.import_module(f"{_flavour(pl)}._lightning")
+
+
+def _flavour(pl: Any) -> str:
+    """This package, or its ``pytorch_lightning`` flavour, for the Lightning namespace ``pl``."""
+    return "lightning_ddp_amp.pytorch_lightning" if pl.__name__ == "pytorch_lightning" else "lightning_ddp_amp"
 
 
 def ran_as(plugin: Any) -> str:

@@ -3,17 +3,21 @@
 torch's defaults are read from ``DistributedDataParallel``'s signature, and only the options that differ from them
 are passed on, as Accelerate's ``DistributedDataParallelKwargs.to_kwargs()`` does. Where envddp's default differs
 from torch's on purpose, :data:`DEVIATIONS` holds it with the reason. ``ddp_impl="apex"`` swaps in
-``apex.parallel.DistributedDataParallel``, which has none of torch's options. This module imports nothing from
-Lightning.
+``apex.parallel.DistributedDataParallel``, which has none of torch's options. The communication hook is an option
+too: named by a string (:data:`COMM_HOOKS`), and checked against the process group's backend. This module imports
+nothing from Lightning.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -26,6 +30,12 @@ TORCH_DEFAULTS: dict[str, Any] = {
     name: parameter.default
     for name, parameter in inspect.signature(DistributedDataParallel).parameters.items()
     if parameter.default is not inspect.Parameter.empty
+}
+
+#: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
+COMM_HOOKS: dict[str, Callable[..., Any]] = {
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
 }
 
 
@@ -169,3 +179,48 @@ def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> No
             raise StrategyConfigurationError(
                 name, ddp_kwargs[name], f"{ddp_class.__qualname__} has no such argument", hint
             )
+
+
+def resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The DDP communication hook ``EnvDDPStrategy(ddp_comm_hook=...)`` names: a function, or a name in
+    :data:`COMM_HOOKS`.
+
+    Raises:
+        StrategyConfigurationError: An unknown name.
+    """
+    if hook is None or callable(hook):
+        return hook
+    if hook not in COMM_HOOKS:
+        raise StrategyConfigurationError(
+            "ddp_comm_hook",
+            hook,
+            f"it is not a known hook name (known: {', '.join(sorted(COMM_HOOKS))})",
+            "use one of those names, or pass the hook function itself",
+        )
+    return COMM_HOOKS[hook]
+
+
+def compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
+    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
+    for candidate in (wrapper, hook):
+        if candidate in (default_hooks.fp16_compress_hook, default_hooks.fp16_compress_wrapper):
+            return torch.float16
+        if candidate in (default_hooks.bf16_compress_hook, default_hooks.bf16_compress_wrapper):
+            return torch.bfloat16
+    return None
+
+
+def check_comm_hook_backend(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None, backend: str) -> None:
+    """Refuse torch's bfloat16 compression on a process group that cannot run it.
+
+    Raises:
+        StrategyConfigurationError: The bfloat16 hook or wrapper on another backend than NCCL.
+    """
+    bf16 = hook is default_hooks.bf16_compress_hook or wrapper is default_hooks.bf16_compress_wrapper
+    if bf16 and backend != "nccl":
+        raise StrategyConfigurationError(
+            "ddp_comm_hook",
+            "bf16",
+            f"torch's bfloat16 compression hook needs NCCL (CUDA), but the process group runs {backend}",
+            'use ddp_comm_hook="fp16" on the CPU, or train on GPUs',
+        )

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import inspect
 import os
 import re
 import secrets
@@ -285,7 +284,8 @@ class AutoResumeLauncher:
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Run ``function`` in this process, resuming a fit without ``ckpt_path`` from the newest checkpoint."""
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or _given_ckpt_path(function, args, kwargs):
+        given_ckpt_path = _lightning.launched_with_ckpt_path(function, args, kwargs)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or given_ckpt_path:
             return function(*args, **kwargs)
         directories = checkpoint_dirs(trainer)
         if not directories:
@@ -308,14 +308,6 @@ class AutoResumeLauncher:
 
     def kill(self, signum: Any) -> None:
         """Nothing to kill: this launcher starts no processes."""
-
-
-def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    try:
-        bound = inspect.signature(function).bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        return False
-    return bound.arguments.get("ckpt_path") is not None
 
 
 class AutoResume:

@@ -36,7 +36,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -44,7 +43,6 @@ from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp import selflaunch
-from lightning_ddp_amp.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.data import (
     align_resumed_epoch,
     check_resumed_positions,
@@ -52,10 +50,9 @@ from lightning_ddp_amp.data import (
     shard_dataloader,
     warn_unshuffled_training_shards,
 )
-from lightning_ddp_amp.ddp_options import DDPOptions
-from lightning_ddp_amp.devices import select_devices
-from lightning_ddp_amp.environment import Topology, read_topology, started_by
-from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
+from lightning_ddp_amp.environment import Topology, started_by
+from lightning_ddp_amp.errors import StrategyConfigurationError
 from lightning_ddp_amp.precision import AmpPrecision, describe_crossing
 from lightning_ddp_amp.process_group import (
     check_script_group,
@@ -74,12 +71,7 @@ from lightning_ddp_amp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-
-#: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
-COMM_HOOKS: dict[str, Callable[..., Any]] = {
-    "fp16": default_hooks.fp16_compress_hook,
-    "bf16": default_hooks.bf16_compress_hook,
-}
+from lightning_ddp_amp.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
 
 
 class EnvDDPStrategy(DDPStrategy):
@@ -147,7 +139,6 @@ class EnvDDPStrategy(DDPStrategy):
     strategy_name = "envddp"
     #: The precision plugin connects (apex: ``amp.initialize``) before the DDP wrap; AmpPrecision asks for this.
     connects_precision_before_wrap = True
-    _topology: Topology  # set with the cluster environment
 
     def __init__(
         self,
@@ -174,11 +165,8 @@ class EnvDDPStrategy(DDPStrategy):
         max_restarts: int = 0,
         **ddp_kwargs: Any,
     ) -> None:
-        # Set by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
-        self._environment: ClusterEnvironment | None = None
-        self._given_devices: list[torch.device] | None = None
-        self._devices: list[torch.device] | None = None
-        self._requested_cuda_indices: list[int] | None = None
+        # Filled by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
+        self._flags = TrainerFlags()
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise StrategyConfigurationError(
                 "max_restarts", max_restarts, "it must be a whole number of restarts, 0 or more", "pass e.g. 3"
@@ -199,7 +187,7 @@ class EnvDDPStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             ddp_comm_state=ddp_comm_state,
-            ddp_comm_hook=_resolve_comm_hook(ddp_comm_hook),
+            ddp_comm_hook=resolve_comm_hook(ddp_comm_hook),
             ddp_comm_wrapper=ddp_comm_wrapper,
             process_group_backend=process_group_backend,
             timeout=_resolve_timeout(timeout),
@@ -207,8 +195,6 @@ class EnvDDPStrategy(DDPStrategy):
         self.timeout = _resolve_timeout(timeout)
         self.split_batches = split_batches
         self.exact_eval = exact_eval
-        self._shard_dataloaders: bool | None = None
-        self._requested: list[torch.device] | None = None
         self._resume = AutoResume(auto_resume)
         self._group_ready = False  # setup_distributed has run for this strategy
         # The checkpoint the current fit continues from, until its training DataLoaders have their positions.
@@ -216,96 +202,35 @@ class EnvDDPStrategy(DDPStrategy):
         if accelerator is not None:
             # Built with its accelerator, the strategy may run without a Trainer, so it reads the launcher now; a
             # Trainer's ClusterEnvironment plugin then meets Lightning's "set through both strategy and plugins".
-            self._use_launcher_unless_given()
+            self._flags.use_launcher_unless_given()
 
     @property
     def topology(self) -> Topology:
         """What the launcher, or the cluster environment given, set up (validated)."""
-        self._use_launcher_unless_given()
-        return self._topology
+        return self._flags.topology
 
     @property
     @override
     def cluster_environment(self) -> ClusterEnvironment | None:
         """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
-        the Trainer's ``plugins``), else a :class:`LauncherEnvironment` over the launcher's variables.
+        the Trainer's ``plugins``), else a :class:`~lightning_ddp_amp.LauncherEnvironment` over the launcher's
+        variables.
 
         None until one of them is known: that is how the Trainer knows to hand over its plugin.
         """
-        return self._environment
+        return self._flags.environment
 
     @cluster_environment.setter
     def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
-        """Read the topology from ``environment``; the Trainer calls this with a user's plugin or its own choice.
-
-        Lightning's own environments, which the Trainer picks when given none (``is_lightning_default``), read the
-        variables of launchers envddp reads itself: the launcher's variables are read and validated instead
-        (:func:`read_topology`). Any other environment is honoured through its methods (:func:`environment_topology`).
-
-        None (what ``DDPStrategy.__init__`` passes by default) leaves the choice open.
+        """Read the topology from ``environment`` (:meth:`TrainerFlags.set_environment
+        <lightning_ddp_amp.trainer_flags.TrainerFlags.set_environment>`); None leaves the choice open.
 
         Raises:
             LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
-            StrategyConfigurationError: The environment cannot be honoured (see :func:`environment_topology`).
+            StrategyConfigurationError: The environment cannot be honoured (see
+                :func:`~lightning_ddp_amp.cluster_environment.environment_topology`).
         """
-        if environment is None:
-            return
-        if is_lightning_default(environment):
-            environment = LauncherEnvironment(read_topology())
-        self._topology = environment_topology(environment)
-        self._environment = environment
-        self._devices = None
-
-    def _use_launcher_unless_given(self) -> None:
-        # Used outside a Trainer, nothing hands over an environment: read the launcher's variables.
-        if self._environment is None:
-            self.cluster_environment = LauncherEnvironment(read_topology())
-
-    @property
-    def ddp_options(self) -> dict[str, Any]:
-        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
-        return self._ddp.to_kwargs(_master_weights(self.precision_plugin))
-
-    @property
-    def auto_resume(self) -> bool:
-        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
-        return self._resume.enabled
-
-    @property
-    def resumed_from(self) -> Path | None:
-        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
-        return self._resume.resumed_from
-
-    @property
-    @override
-    def parallel_devices(self) -> list[torch.device] | None:
-        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
-        until then)."""
-        if self._devices is None and self.accelerator is not None:
-            on_cuda = isinstance(self.accelerator, CUDAAccelerator)
-            self._devices = select_devices(
-                "cuda" if on_cuda else "cpu",
-                self.topology,
-                torch.cuda.device_count() if on_cuda else 0,
-                self._requested_cuda_indices,
-            )
-        return self._devices if self._devices is not None else self._given_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
-        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
-        node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
-        if parallel_devices is None:
-            return
-        given = [torch.device(device) for device in parallel_devices]
-        # An index-less "cuda" stands for the local rank's GPU, as it does in the recipe.
-        self._given_devices = [
-            torch.device("cuda", rank) if device.type == "cuda" and device.index is None else device
-            for rank, device in enumerate(given)
-        ]
-        self._requested_cuda_indices = [device.index for device in self._given_devices if device.type == "cuda"] or None
-        self._devices = None
+        self._flags.set_environment(environment)
 
     @property
     @override
@@ -315,6 +240,19 @@ class EnvDDPStrategy(DDPStrategy):
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
+
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
+        until then)."""
+        return self._flags.devices(self.accelerator)
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
+        node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
+        self._flags.set_devices(parallel_devices)
 
     def check_trainer_flags(
         self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
@@ -329,100 +267,10 @@ class EnvDDPStrategy(DDPStrategy):
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
-                precision plugin cannot train with (:meth:`_check_precision_plugin`).
+                precision plugin cannot train with (:func:`~lightning_ddp_amp.trainer_flags.check_precision_plugin`).
         """
-        self._shard_dataloaders = use_distributed_sampler
-        self._check_precision_plugin()
-        if self.exact_eval and not use_distributed_sampler:
-            raise StrategyConfigurationError(
-                "exact_eval",
-                True,
-                "Trainer(use_distributed_sampler=False) leaves sharding to you, so the strategy cannot make the"
-                " evaluation shards exact",
-                "drop use_distributed_sampler=False, or drop exact_eval and shard the eval sets yourself",
-            )
-        topology = self.topology
-        if num_nodes != 1 and num_nodes != topology.num_nodes:
-            raise TopologyMismatchError(
-                "num_nodes",
-                num_nodes,
-                f"the launcher started {topology.num_nodes} node(s) (WORLD_SIZE={topology.world_size},"
-                f" LOCAL_WORLD_SIZE={topology.local_world_size})",
-                f"drop num_nodes from the Trainer (envddp reads it from the launcher) or set num_nodes="
-                f"{topology.num_nodes}",
-            )
-        requested = self._requested_devices(devices)
-        field: str = "devices"
-        value: Any = devices
-        if self._given_devices is not None:
-            if requested is not None and requested != self._given_devices:
-                raise TopologyMismatchError(
-                    "devices",
-                    devices,
-                    f"EnvDDPStrategy(parallel_devices={self._given_devices}) names other devices",
-                    "name the devices once: drop devices from the Trainer, or parallel_devices from the strategy",
-                )
-            requested, field, value = self._given_devices, "parallel_devices", self._given_devices
-        self._requested = requested
-        if topology.launcher != "none" and requested is not None and len(requested) != topology.local_world_size:
-            raise TopologyMismatchError(
-                field,
-                value,
-                f"the launcher started {topology.local_world_size} process(es) on this node"
-                f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
-                f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
-                f"{topology.local_world_size}"
-                if field == "devices"
-                else "drop parallel_devices from the strategy (envddp picks one device per local rank) or list"
-                f" {topology.local_world_size}, one per local rank",
-            )
-        if requested is not None and isinstance(self.accelerator, CUDAAccelerator):
-            self._requested_cuda_indices = [device.index for device in requested]
-            self._devices = None
-
-    def _check_precision_plugin(self) -> None:
-        """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
-
-        Raises:
-            StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
-                out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
-                compression hook on a model whose gradients are already half precision.
-        """
-        plugin = self.precision_plugin
-        refused = self._ddp.refused_with_master_weights() if _master_weights(plugin) else {}
-        for name, reason in refused.items():
-            value = self._ddp.given[name]
-            raise StrategyConfigurationError(
-                name,
-                value,
-                f"under {plugin} {reason}",
-                f"drop {name}={value!r} (envddp leaves it at torch's default under fp32 master weights), or use"
-                " opt_level='O1'",
-            )
-        half = getattr(plugin, "model_dtype", None)
-        compression = _compression_dtype(self._ddp_comm_hook, self._ddp_comm_wrapper)
-        if half is not None and compression is not None:
-            name = "ddp_comm_wrapper" if self._ddp_comm_wrapper is not None else "ddp_comm_hook"
-            effect = (
-                "compresses nothing"
-                if compression == half
-                else f"would round them to {_dtype_name(compression)}, losing precision without saving any bytes"
-            )
-            raise StrategyConfigurationError(
-                name,
-                "fp16" if compression == torch.float16 else "bf16",
-                f"under {plugin} the model's gradients are already {_dtype_name(half)}, so the hook {effect}",
-                f"drop {name}: DDP already communicates these gradients in {_dtype_name(half)}",
-            )
-
-    def _requested_devices(self, devices: list[int] | str | int) -> list[torch.device] | None:
-        """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
-        if devices == "auto":
-            return None
-        assert self.accelerator is not None
-        accelerator = type(self.accelerator)
-        parallel_devices: list[torch.device] = accelerator.get_parallel_devices(accelerator.parse_devices(devices))
-        return parallel_devices
+        check_precision_plugin(self.precision_plugin, self._ddp, self._ddp_comm_hook, self._ddp_comm_wrapper)
+        self._flags.check(self.accelerator, devices, num_nodes, use_distributed_sampler, self.exact_eval)
 
     def start_missing_ranks(self) -> None:
         """No launcher started this process: start one rank per device through torchrun, or train alone.
@@ -449,7 +297,7 @@ class EnvDDPStrategy(DDPStrategy):
                 )
             return
         on_cuda = isinstance(self.accelerator, CUDAAccelerator)
-        requested = self._requested
+        requested = self._flags.requested
         count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
         if count > 1:
             arguments = selflaunch.plan(count, self.max_restarts)
@@ -476,18 +324,6 @@ class EnvDDPStrategy(DDPStrategy):
         # interface of Lightning's (private) _Launcher without deriving from it.
         self._launcher = self._resume.launcher()  # type: ignore[assignment]
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.resume.AtomicCheckpointIO`)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
     @override
     def setup_distributed(self) -> None:
         reset_seed()
@@ -495,26 +331,26 @@ class EnvDDPStrategy(DDPStrategy):
         if self._group_ready:
             return  # an earlier fit, validate or test with this strategy set it up
         script_group = started_by_script()
-        if not script_group and not self._topology.is_distributed:
-            if self._topology.launcher != "none":  # without a launcher, start_missing_ranks said it
-                _log_once(f"envddp: 1 rank, {started_by(self._topology.launcher)}, so no process group")
+        if not script_group and not self.topology.is_distributed:
+            if self.topology.launcher != "none":  # without a launcher, start_missing_ranks said it
+                _log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
             return
         backend_given = self._process_group_backend is not None
         self._process_group_backend = self._get_process_group_backend()
         if script_group:
             # A classic script's dist.init_process_group, kept before the Trainer: trained on if it is the group
             # envddp would start, and everything below is done on it as on envddp's own.
-            check_script_group(self._topology, self._process_group_backend, self.root_device, backend_given)
-            if not self._topology.is_distributed:
+            check_script_group(self.topology, self._process_group_backend, self.root_device, backend_given)
+            if not self.topology.is_distributed:
                 return
-        self._check_comm_hook(self._process_group_backend)
+        check_comm_hook_backend(self._ddp_comm_hook, self._ddp_comm_wrapper, self._process_group_backend)
         if script_group:
             how = ", using the process group the script created"
         elif dist.is_initialized():
             # An earlier Trainer in this process started it; this strategy still needs its own preemption group.
             how = ", using the process group an earlier Trainer started"
         else:
-            init_process_group(self._topology, self._process_group_backend, self.timeout, self.root_device)
+            init_process_group(self.topology, self._process_group_backend, self.timeout, self.root_device)
             # Only the group started here is ended here: the script ends its own, perhaps in an atexit handler of
             # its own that would fail on a group already gone (torch 2.1's exit hang is its script's, as before).
             atexit.register(destroy_process_group)
@@ -522,8 +358,8 @@ class EnvDDPStrategy(DDPStrategy):
             how = "".join(f"; {gap}" for gap in (torch_gaps() if self.root_device.type == "cuda" else []))
         self._resume.setup_distributed()
         rank_zero_info(
-            f"envddp: {self._topology.world_size} ranks on {self._topology.num_nodes} node(s),"
-            f" backend {self._process_group_backend}, {started_by(self._topology.launcher)}{how}"
+            f"envddp: {self.topology.world_size} ranks on {self.topology.num_nodes} node(s),"
+            f" backend {self._process_group_backend}, {started_by(self.topology.launcher)}{how}"
         )
         self.barrier("envddp: process group ready")
         self._group_ready = True
@@ -549,7 +385,7 @@ class EnvDDPStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _lightning.optimizers_to_device(self.optimizers, self.root_device)
-        if not self._topology.is_distributed:
+        if not self.topology.is_distributed:
             return
         if fitting:
             # 6. DDP wraps last, around whatever the precision plugin returned.
@@ -558,6 +394,22 @@ class EnvDDPStrategy(DDPStrategy):
             # No DDP wrapper outside fit: start every rank from rank 0's weights, as DDP's constructor would.
             _broadcast_module_states(self.model)
 
+    @property
+    def ddp_options(self) -> dict[str, Any]:
+        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
+        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        return self._ddp.to_kwargs(master_weights(self.precision_plugin))
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        self._ddp_kwargs = self.ddp_options
+        if master_weights(self.precision_plugin):
+            for name, reason in self._ddp.kept_for_master_weights().items():
+                _log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
+        self.model = self._setup_model(self.model)
+        self._register_ddp_hooks()
+
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         if self._ddp.apex_class is not None:
@@ -565,6 +417,17 @@ class EnvDDPStrategy(DDPStrategy):
             wrapped: Any = self._ddp.apex_class(model, **self._ddp_kwargs)
             return wrapped  # type: ignore[no-any-return]
         return super()._setup_model(model)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
+        if self._ddp_comm_hook is None:
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
 
     @override
     @contextlib.contextmanager
@@ -582,6 +445,29 @@ class EnvDDPStrategy(DDPStrategy):
             wrapper.enable_allreduce()
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        return shard_dataloader(
+            dataloader,
+            stage=trainer.state.stage,
+            num_replicas=self.topology.world_size,
+            rank=self.topology.rank,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            shard=bool(self._flags.shard_dataloaders),
+            split_batches=self.split_batches,
+            exact_eval=self.exact_eval,
+            progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),
+            resuming=self._resuming,
+        )
+
+    def _route_sampler_injection(self, trainer: Any) -> None:
+        if self._flags.shard_dataloaders is None:
+            self._flags.shard_dataloaders = _lightning.sampler_injection(trainer)
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        _lightning.set_sampler_injection(trainer, self._flags.shard_dataloaders and predicting)
+
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         assert self.lightning_module is not None
@@ -589,11 +475,11 @@ class EnvDDPStrategy(DDPStrategy):
         # Before the first batch: a mid-epoch position the training DataLoaders did not get is refused.
         trainer = self.lightning_module.trainer
         resuming, self._resuming = self._resuming, None
-        check_resumed_positions(trainer.train_dataloader, resuming, self._topology.world_size)
+        check_resumed_positions(trainer.train_dataloader, resuming, self.topology.world_size)
         # A resumed epoch counts its batches in this run's world size; a schedule it would outrun stops it here.
         start = align_resumed_epoch(trainer)
         if resuming is not None and start is not None:
-            check_step_schedulers(trainer, resuming, self._topology.world_size, start)
+            check_step_schedulers(trainer, resuming, self.topology.world_size, start)
         # The recipe's DistributedSampler shuffled; a training DataLoader left at shuffle=False does not.
         warn_unshuffled_training_shards(trainer.train_dataloader)
 
@@ -614,10 +500,54 @@ class EnvDDPStrategy(DDPStrategy):
         explain_loader_state_mismatch(exception, self._resuming)
 
     @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
+
+        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
+        divide two such averages (sum of values / number of samples), so with the uneven shards of
+        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
+        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
+        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
+        """
+        if (
+            isinstance(tensor, Tensor)
+            and not tensor.is_floating_point()
+            and isinstance(reduce_op, str)
+            and reduce_op.lower() in ("mean", "avg")
+            and dist.is_initialized()
+        ):
+            total = tensor.to(torch.int64, copy=True)  # summed exactly: no overflow of small types, bools counted
+            dist.all_reduce(total, op=ReduceOp.SUM, group=group)
+            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
+        return super().reduce(tensor, group, reduce_op)
+
+    @property
+    def auto_resume(self) -> bool:
+        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
+        return self._resume.enabled
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
+        return self._resume.resumed_from
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.resume.AtomicCheckpointIO`)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Which samples a mid-epoch position names depends on the number of ranks, also for DataLoaders that record
         # no layout of their own (check_resumed_positions).
-        record_world_size(checkpoint, self._topology.world_size)
+        record_world_size(checkpoint, self.topology.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -643,85 +573,6 @@ class EnvDDPStrategy(DDPStrategy):
         self._resuming = None
         super().teardown()
 
-    @override
-    def configure_ddp(self) -> None:
-        assert self.model is not None
-        self._ddp_kwargs = self.ddp_options
-        if _master_weights(self.precision_plugin):
-            for name, reason in self._ddp.kept_for_master_weights().items():
-                _log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
-        self.model = self._setup_model(self.model)
-        self._register_ddp_hooks()
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
-        if self._ddp_comm_hook is None:
-            return
-        assert isinstance(self.model, DistributedDataParallel)
-        hook = self._ddp_comm_hook
-        if self._ddp_comm_wrapper is not None:
-            hook = self._ddp_comm_wrapper(hook)
-        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        return shard_dataloader(
-            dataloader,
-            stage=trainer.state.stage,
-            num_replicas=self._topology.world_size,
-            rank=self._topology.rank,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-            shard=bool(self._shard_dataloaders),
-            split_batches=self.split_batches,
-            exact_eval=self.exact_eval,
-            progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),
-            resuming=self._resuming,
-        )
-
-    @override
-    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
-
-        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
-        divide two such averages (sum of values / number of samples), so with the uneven shards of
-        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
-        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
-        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
-        """
-        if (
-            isinstance(tensor, Tensor)
-            and not tensor.is_floating_point()
-            and isinstance(reduce_op, str)
-            and reduce_op.lower() in ("mean", "avg")
-            and dist.is_initialized()
-        ):
-            total = tensor.to(torch.int64, copy=True)  # summed exactly: no overflow of small types, bools counted
-            dist.all_reduce(total, op=ReduceOp.SUM, group=group)
-            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
-        return super().reduce(tensor, group, reduce_op)
-
-    def _check_comm_hook(self, backend: str) -> None:
-        bf16 = (
-            self._ddp_comm_hook is default_hooks.bf16_compress_hook
-            or self._ddp_comm_wrapper is default_hooks.bf16_compress_wrapper
-        )
-        if bf16 and backend != "nccl":
-            raise StrategyConfigurationError(
-                "ddp_comm_hook",
-                "bf16",
-                f"torch's bfloat16 compression hook needs NCCL (CUDA), but the process group runs {backend}",
-                'use ddp_comm_hook="fp16" on the CPU, or train on GPUs',
-            )
-
-    def _route_sampler_injection(self, trainer: Any) -> None:
-        if self._shard_dataloaders is None:
-            self._shard_dataloaders = _lightning.sampler_injection(trainer)
-        predicting = trainer.state.fn == TrainerFn.PREDICTING
-        _lightning.set_sampler_injection(trainer, self._shard_dataloaders and predicting)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _lightning.StrategyRegistryType) -> None:
@@ -736,25 +587,6 @@ class EnvDDPStrategy(DDPStrategy):
         )
 
 
-def _master_weights(plugin: Precision) -> bool:
-    # Asked of any precision plugin, not only AmpPrecision (which keeps fp32 master weights under apex O2).
-    return bool(getattr(plugin, "master_weights", False))
-
-
-def _compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
-    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
-    for candidate in (wrapper, hook):
-        if candidate in (default_hooks.fp16_compress_hook, default_hooks.fp16_compress_wrapper):
-            return torch.float16
-        if candidate in (default_hooks.bf16_compress_hook, default_hooks.bf16_compress_wrapper):
-            return torch.bfloat16
-    return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 _LOGGED: set[str] = set()
 
 
@@ -763,19 +595,6 @@ def _log_once(message: str, warn: bool = False) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         (rank_zero_warn if warn else rank_zero_info)(message)
-
-
-def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
-    if hook is None or callable(hook):
-        return hook
-    if hook not in COMM_HOOKS:
-        raise StrategyConfigurationError(
-            "ddp_comm_hook",
-            hook,
-            f"it is not a known hook name (known: {', '.join(sorted(COMM_HOOKS))})",
-            "use one of those names, or pass the hook function itself",
-        )
-    return COMM_HOOKS[hook]
 
 
 def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:

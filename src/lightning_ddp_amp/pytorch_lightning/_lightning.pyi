@@ -24,6 +24,10 @@ from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
+# Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
+# re-exported for compare_recorder, which turns off the loggers it cannot point into a run's folder.
+from pytorch_lightning.loggers.logger import DummyLogger as DummyLogger
+
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
 # outside its documented API; re-exported for data.py.
 from pytorch_lightning.overrides.distributed import (
@@ -35,6 +39,7 @@ from pytorch_lightning.overrides.distributed import (
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from pytorch_lightning.utilities.argparse import _parse_env_variables
 from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwargs
 from packaging.version import Version
 from torch.optim import Optimizer
@@ -73,24 +78,42 @@ _MARK = "__lightning_ddp_amp_hook__"
 PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
 
 
-def install_trainer_hook(resolve_precision: PrecisionResolver) -> None:
+def install_trainer_hook(
+    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+) -> None:
     """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
     Why: Lightning has no public extension point for either of these.
 
     * ``Trainer(precision="apex-O1")`` / ``"amp-O1"``: Lightning validates precision strings against a fixed list,
-      so the wrapper turns ours into an :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` plugin before Lightning sees them
-      (any other value, valid or not, reaches Lightning unchanged).
+      so the wrapper turns ours into an :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` plugin before Lightning sees them.
+      Any other value, valid or not, reaches Lightning unchanged, and the connector is then called with exactly the
+      Trainer's arguments.
     * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
-      "explicitly 1" look the same; the wrapper hands the raw ``devices`` and ``num_nodes`` to the strategy's
-      ``check_trainer_flags``, then calls its ``start_missing_ranks`` (envddp without a launcher starts its ranks
-      there), and hands the finished strategy and accelerator to the precision plugin's ``check_trainer_setup``.
+      "explicitly 1" look the same; when the strategy is ``strategy_class`` the wrapper hands it the raw ``devices``
+      and ``num_nodes`` (``check_trainer_flags``), then calls its ``start_missing_ranks`` (envddp without a launcher
+      starts its ranks there). When the precision plugin is ``precision_class``, it is handed the finished strategy
+      and accelerator (``check_trainer_setup``).
 
-    Idempotent. The package hands over its precision resolver, so that this module imports none of its own.
+    Any other Trainer is built by Lightning alone: its strategy, precision plugin and environment are Lightning's.
+    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own.
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
             (:func:`lightning_ddp_amp.pytorch_lightning.precision.resolve_precision_flag`).
+        strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy`).
+        precision_class: The precision plugin that checks the finished Trainer
+            (:class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`).
+    """
+    ...
+
+
+def trainer_env_defaults(trainer_class: type[pl.Trainer]) -> dict[str, Any]:
+    """The arguments environment variables give a ``trainer_class(...)`` that leaves them out, by name.
+
+    ``PL_TRAINER_MAX_STEPS=5`` for ``Trainer``, ``PL_MYTRAINER_MAX_STEPS=5`` for a subclass ``MyTrainer``, each
+    value parsed as a Python literal where it is one. Why: Lightning reads them in a private decorator of
+    ``Trainer.__init__``, and offers no public way to ask.
     """
     ...
 
@@ -108,6 +131,20 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
     itself (:mod:`lightning_ddp_amp.pytorch_lightning.data`) and leaves only prediction to Lightning.
+    """
+    ...
+
+
+def launched_with_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the fit a strategy's launcher is asked to run was given a ``ckpt_path``.
+
+    Why: ``trainer.fit`` hands the launcher its private ``Trainer._fit_impl`` and ``fit``'s arguments, positional
+    ones among them; only that method's signature tells which of them is ``ckpt_path``.
+
+    Args:
+        function: What the launcher was handed to run.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
     """
     ...
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import inspect
 import os
 import re
 import secrets
@@ -184,10 +183,6 @@ class AutoResumeLauncher:
 
     def kill(self, signum: Any) -> None:
         """Nothing to kill: this launcher starts no processes."""
-
-
-def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    ...
 
 
 class AutoResume:

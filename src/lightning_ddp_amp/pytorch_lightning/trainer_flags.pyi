@@ -1,0 +1,141 @@
+# Generated from ../trainer_flags.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""What the Trainer says about the run, checked against what the launcher started: envddp's negotiation.
+
+The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its own pick), its devices
+(``parallel_devices``), and, through the hook around its construction, the raw ``devices``, ``num_nodes`` and
+``use_distributed_sampler`` (:meth:`EnvDDPStrategy.check_trainer_flags
+<lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy.check_trainer_flags>`). The launcher has already decided the ranks, the nodes and
+the processes per node. :class:`TrainerFlags` keeps what each side said, picks the device of every local rank, and
+refuses a Trainer argument that contradicts the launcher; :func:`check_precision_plugin` refuses the DDP options the
+precision plugin cannot train with. ``EnvDDPStrategy`` keeps Lightning's interface (its ``cluster_environment``,
+``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning_fabric.plugins import ClusterEnvironment
+from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
+from pytorch_lightning.plugins.precision import Precision
+
+from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
+from lightning_ddp_amp.ddp_options import DDPOptions, compression_dtype
+from lightning_ddp_amp.devices import select_devices
+from lightning_ddp_amp.environment import Topology, read_topology
+from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+
+
+class TrainerFlags:
+    """The cluster environment, the devices and the Trainer's flags of one strategy, reconciled with the launcher.
+
+    Attributes:
+        requested: The devices an explicit ``Trainer(devices=...)`` or ``parallel_devices`` names, one per local
+            rank; None when left to envddp (``"auto"``). Known once :meth:`check` has run.
+        shard_dataloaders: ``Trainer(use_distributed_sampler=...)``: whether envddp shards the DataLoaders; None
+            until the Trainer says.
+    """
+
+    def __init__(self) -> None:
+        ...
+
+    @property
+    def environment(self) -> ClusterEnvironment | None:
+        """The ClusterEnvironment the ranks come from; None until one is given or the launcher is read."""
+        ...
+
+    @property
+    def topology(self) -> Topology:
+        """What the launcher, or the cluster environment given, set up (validated); read from the launcher's
+        variables when no environment was given.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable is wrong.
+        """
+        ...
+
+    def use_launcher_unless_given(self) -> None:
+        """Read the launcher's variables, unless an environment was given: used outside a Trainer, nothing hands
+        one over.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable is wrong.
+        """
+        ...
+
+    def set_environment(self, environment: ClusterEnvironment | None) -> None:
+        """Read the topology from ``environment``; the Trainer passes a user's plugin or its own choice.
+
+        Lightning's own environments, which the Trainer picks when given none (``is_lightning_default``), read the
+        variables of launchers envddp reads itself: the launcher's variables are read and validated instead
+        (:func:`read_topology`). Any other environment is honoured through its methods (:func:`environment_topology`).
+        None (what ``DDPStrategy.__init__`` passes by default) leaves the choice open.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
+            StrategyConfigurationError: The environment cannot be honoured (see :func:`environment_topology`).
+        """
+        ...
+
+    def devices(self, accelerator: Accelerator | None) -> list[torch.device] | None:
+        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
+        until then)."""
+        ...
+
+    def set_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
+        node by :meth:`check`. None (Lightning's default) keeps the choice to envddp."""
+        ...
+
+    def check(
+        self,
+        accelerator: Accelerator | None,
+        devices: list[int] | str | int,
+        num_nodes: int,
+        use_distributed_sampler: bool,
+        exact_eval: bool,
+    ) -> None:
+        """Check the Trainer's ``devices``, ``num_nodes`` and ``use_distributed_sampler`` against the launcher.
+
+        ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
+        On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``; so does
+        ``EnvDDPStrategy(parallel_devices=...)``.
+
+        Raises:
+            TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
+                ``devices`` contradicts ``parallel_devices``.
+            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``.
+        """
+        ...
+
+
+def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str | int) -> list[torch.device] | None:
+    """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
+    ...
+
+
+def check_precision_plugin(
+    plugin: Precision,
+    ddp: DDPOptions,
+    comm_hook: Callable[..., Any] | None,
+    comm_wrapper: Callable[..., Any] | None,
+) -> None:
+    """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
+
+    Raises:
+        StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
+            out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
+            compression hook on a model whose gradients are already half precision.
+    """
+    ...
+
+
+def master_weights(plugin: Precision) -> bool:
+    """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
+    ...
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    ...

@@ -1,0 +1,247 @@
+"""What the Trainer says about the run, checked against what the launcher started: envddp's negotiation.
+
+The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its own pick), its devices
+(``parallel_devices``), and, through the hook around its construction, the raw ``devices``, ``num_nodes`` and
+``use_distributed_sampler`` (:meth:`EnvDDPStrategy.check_trainer_flags
+<lightning_ddp_amp.EnvDDPStrategy.check_trainer_flags>`). The launcher has already decided the ranks, the nodes and
+the processes per node. :class:`TrainerFlags` keeps what each side said, picks the device of every local rank, and
+refuses a Trainer argument that contradicts the launcher; :func:`check_precision_plugin` refuses the DDP options the
+precision plugin cannot train with. ``EnvDDPStrategy`` keeps Lightning's interface (its ``cluster_environment``,
+``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+
+from lightning_ddp_amp.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
+from lightning_ddp_amp.ddp_options import DDPOptions, compression_dtype
+from lightning_ddp_amp.devices import select_devices
+from lightning_ddp_amp.environment import Topology, read_topology
+from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+
+
+class TrainerFlags:
+    """The cluster environment, the devices and the Trainer's flags of one strategy, reconciled with the launcher.
+
+    Attributes:
+        requested: The devices an explicit ``Trainer(devices=...)`` or ``parallel_devices`` names, one per local
+            rank; None when left to envddp (``"auto"``). Known once :meth:`check` has run.
+        shard_dataloaders: ``Trainer(use_distributed_sampler=...)``: whether envddp shards the DataLoaders; None
+            until the Trainer says.
+    """
+
+    def __init__(self) -> None:
+        self.requested: list[torch.device] | None = None
+        self.shard_dataloaders: bool | None = None
+        self._environment: ClusterEnvironment | None = None
+        self._topology: Topology | None = None
+        self._given_devices: list[torch.device] | None = None
+        self._devices: list[torch.device] | None = None
+        self._cuda_indices: list[int] | None = None
+
+    @property
+    def environment(self) -> ClusterEnvironment | None:
+        """The ClusterEnvironment the ranks come from; None until one is given or the launcher is read."""
+        return self._environment
+
+    @property
+    def topology(self) -> Topology:
+        """What the launcher, or the cluster environment given, set up (validated); read from the launcher's
+        variables when no environment was given.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable is wrong.
+        """
+        self.use_launcher_unless_given()
+        assert self._topology is not None
+        return self._topology
+
+    def use_launcher_unless_given(self) -> None:
+        """Read the launcher's variables, unless an environment was given: used outside a Trainer, nothing hands
+        one over.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable is wrong.
+        """
+        if self._environment is None:
+            self.set_environment(LauncherEnvironment(read_topology()))
+
+    def set_environment(self, environment: ClusterEnvironment | None) -> None:
+        """Read the topology from ``environment``; the Trainer passes a user's plugin or its own choice.
+
+        Lightning's own environments, which the Trainer picks when given none (``is_lightning_default``), read the
+        variables of launchers envddp reads itself: the launcher's variables are read and validated instead
+        (:func:`read_topology`). Any other environment is honoured through its methods (:func:`environment_topology`).
+        None (what ``DDPStrategy.__init__`` passes by default) leaves the choice open.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
+            StrategyConfigurationError: The environment cannot be honoured (see :func:`environment_topology`).
+        """
+        if environment is None:
+            return
+        if is_lightning_default(environment):
+            environment = LauncherEnvironment(read_topology())
+        self._topology = environment_topology(environment)
+        self._environment = environment
+        self._devices = None
+
+    def devices(self, accelerator: Accelerator | None) -> list[torch.device] | None:
+        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
+        until then)."""
+        if self._devices is None and accelerator is not None:
+            on_cuda = isinstance(accelerator, CUDAAccelerator)
+            self._devices = select_devices(
+                "cuda" if on_cuda else "cpu",
+                self.topology,
+                torch.cuda.device_count() if on_cuda else 0,
+                self._cuda_indices,
+            )
+        return self._devices if self._devices is not None else self._given_devices
+
+    def set_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
+        node by :meth:`check`. None (Lightning's default) keeps the choice to envddp."""
+        if parallel_devices is None:
+            return
+        given = [torch.device(device) for device in parallel_devices]
+        # An index-less "cuda" stands for the local rank's GPU, as it does in the recipe.
+        self._given_devices = [
+            torch.device("cuda", rank) if device.type == "cuda" and device.index is None else device
+            for rank, device in enumerate(given)
+        ]
+        self._cuda_indices = [device.index for device in self._given_devices if device.type == "cuda"] or None
+        self._devices = None
+
+    def check(
+        self,
+        accelerator: Accelerator | None,
+        devices: list[int] | str | int,
+        num_nodes: int,
+        use_distributed_sampler: bool,
+        exact_eval: bool,
+    ) -> None:
+        """Check the Trainer's ``devices``, ``num_nodes`` and ``use_distributed_sampler`` against the launcher.
+
+        ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
+        On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``; so does
+        ``EnvDDPStrategy(parallel_devices=...)``.
+
+        Raises:
+            TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
+                ``devices`` contradicts ``parallel_devices``.
+            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``.
+        """
+        self.shard_dataloaders = use_distributed_sampler
+        if exact_eval and not use_distributed_sampler:
+            raise StrategyConfigurationError(
+                "exact_eval",
+                True,
+                "Trainer(use_distributed_sampler=False) leaves sharding to you, so the strategy cannot make the"
+                " evaluation shards exact",
+                "drop use_distributed_sampler=False, or drop exact_eval and shard the eval sets yourself",
+            )
+        topology = self.topology
+        if num_nodes != 1 and num_nodes != topology.num_nodes:
+            raise TopologyMismatchError(
+                "num_nodes",
+                num_nodes,
+                f"the launcher started {topology.num_nodes} node(s) (WORLD_SIZE={topology.world_size},"
+                f" LOCAL_WORLD_SIZE={topology.local_world_size})",
+                f"drop num_nodes from the Trainer (envddp reads it from the launcher) or set num_nodes="
+                f"{topology.num_nodes}",
+            )
+        requested = _requested_devices(accelerator, devices)
+        field: str = "devices"
+        value: Any = devices
+        if self._given_devices is not None:
+            if requested is not None and requested != self._given_devices:
+                raise TopologyMismatchError(
+                    "devices",
+                    devices,
+                    f"EnvDDPStrategy(parallel_devices={self._given_devices}) names other devices",
+                    "name the devices once: drop devices from the Trainer, or parallel_devices from the strategy",
+                )
+            requested, field, value = self._given_devices, "parallel_devices", self._given_devices
+        self.requested = requested
+        if topology.launcher != "none" and requested is not None and len(requested) != topology.local_world_size:
+            raise TopologyMismatchError(
+                field,
+                value,
+                f"the launcher started {topology.local_world_size} process(es) on this node"
+                f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
+                f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
+                f"{topology.local_world_size}"
+                if field == "devices"
+                else "drop parallel_devices from the strategy (envddp picks one device per local rank) or list"
+                f" {topology.local_world_size}, one per local rank",
+            )
+        if requested is not None and isinstance(accelerator, CUDAAccelerator):
+            self._cuda_indices = [device.index for device in requested]
+            self._devices = None
+
+
+def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str | int) -> list[torch.device] | None:
+    """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
+    if devices == "auto":
+        return None
+    assert accelerator is not None
+    kind = type(accelerator)
+    parallel_devices: list[torch.device] = kind.get_parallel_devices(kind.parse_devices(devices))
+    return parallel_devices
+
+
+def check_precision_plugin(
+    plugin: Precision,
+    ddp: DDPOptions,
+    comm_hook: Callable[..., Any] | None,
+    comm_wrapper: Callable[..., Any] | None,
+) -> None:
+    """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
+
+    Raises:
+        StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
+            out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
+            compression hook on a model whose gradients are already half precision.
+    """
+    refused = ddp.refused_with_master_weights() if master_weights(plugin) else {}
+    for name, reason in refused.items():
+        value = ddp.given[name]
+        raise StrategyConfigurationError(
+            name,
+            value,
+            f"under {plugin} {reason}",
+            f"drop {name}={value!r} (envddp leaves it at torch's default under fp32 master weights), or use"
+            " opt_level='O1'",
+        )
+    half = getattr(plugin, "model_dtype", None)
+    compression = compression_dtype(comm_hook, comm_wrapper)
+    if half is not None and compression is not None:
+        name = "ddp_comm_wrapper" if comm_wrapper is not None else "ddp_comm_hook"
+        effect = (
+            "compresses nothing"
+            if compression == half
+            else f"would round them to {_dtype_name(compression)}, losing precision without saving any bytes"
+        )
+        raise StrategyConfigurationError(
+            name,
+            "fp16" if compression == torch.float16 else "bf16",
+            f"under {plugin} the model's gradients are already {_dtype_name(half)}, so the hook {effect}",
+            f"drop {name}: DDP already communicates these gradients in {_dtype_name(half)}",
+        )
+
+
+def master_weights(plugin: Precision) -> bool:
+    """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
+    return bool(getattr(plugin, "master_weights", False))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
