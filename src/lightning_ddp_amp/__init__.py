@@ -7,7 +7,7 @@ and with the standalone ``pytorch_lightning``, whose plugin classes live in ``li
 (built from the same files, see ``_namespaces.py``).
 """
 
-from lightning_ddp_amp.environment import Topology, check_rank_variables, read_topology
+from lightning_ddp_amp.launch.environment import Topology, check_rank_variables, read_topology
 
 # Before anything imports Lightning, which parses RANK and LOCAL_RANK with a bare int() at import time.
 check_rank_variables()
@@ -15,7 +15,8 @@ check_rank_variables()
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_ddp_amp import _lightning  # noqa: E402
-from lightning_ddp_amp.cluster_environment import LauncherEnvironment  # noqa: E402
+from lightning_ddp_amp.amp.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
+from lightning_ddp_amp.ddp.strategy import EnvDDPStrategy  # noqa: E402
 from lightning_ddp_amp.errors import (  # noqa: E402
     ApexUnavailableError,
     CheckpointError,
@@ -26,8 +27,7 @@ from lightning_ddp_amp.errors import (  # noqa: E402
     StrategyConfigurationError,
     TopologyMismatchError,
 )
-from lightning_ddp_amp.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
-from lightning_ddp_amp.strategy import EnvDDPStrategy  # noqa: E402
+from lightning_ddp_amp.launch.cluster_environment import LauncherEnvironment  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -28,8 +28,8 @@ from lightning_ddp_amp.errors import LightningDDPAmpError, PrecisionConfiguratio
 #: The backends by name, as ``module:class``, in the order ``backend="auto"`` tries them. A backend is imported
 #: only when it is asked for, so removing one is removing its module and its line here.
 _REGISTRY = {
-    "apex": "lightning_ddp_amp.apex_amp:ApexAmp",
-    "native": "lightning_ddp_amp.native_amp:NativeAmp",
+    "apex": "lightning_ddp_amp.amp.apex_amp:ApexAmp",
+    "native": "lightning_ddp_amp.amp.native_amp:NativeAmp",
 }
 
 #: AmpPrecision's way of choosing the modules amp acts on (``models``, ``configure_amp_models()`` or the module).

@@ -34,7 +34,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
-from lightning_ddp_amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
+from lightning_ddp_amp.amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")

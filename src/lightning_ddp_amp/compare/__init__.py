@@ -32,14 +32,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_ddp_amp import compare_report
-from lightning_ddp_amp.compare_recorder import PLAN_VARIABLE, Plan
-from lightning_ddp_amp.compare_report import Candidate, Tolerance
+from lightning_ddp_amp.compare import report as compare_report
+from lightning_ddp_amp.compare.recorder import PLAN_VARIABLE, Plan
+from lightning_ddp_amp.compare.report import Candidate, Tolerance
 
 #: ``--steps``: enough for a loss curve to settle into its trend on most models, short enough to run before a switch.
 DEFAULT_STEPS = 200
 #: Where ``sitecustomize`` waits for the script's Lightning import.
-SITE = Path(__file__).parent / "_compare_site"
+SITE = Path(__file__).parent / "_site"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_ddp_amp.compare_recorder import FINAL_WEIGHTS, RECORD_FILE, START_WEIGHTS
+from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, RECORD_FILE, START_WEIGHTS
 
 #: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
 SCHEMA = "lightning-ddp-amp/compare/1"

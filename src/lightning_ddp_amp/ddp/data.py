@@ -51,8 +51,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_ddp_amp import _lightning
+from lightning_ddp_amp.ddp.resume import ResumePoint
 from lightning_ddp_amp.errors import StrategyConfigurationError
-from lightning_ddp_amp.resume import ResumePoint
 
 #: Stages whose DataLoaders this module shards. Lightning already shards prediction without duplicates.
 SHARDED_STAGES = (

@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_amp.apex_loader import load_apex_module
+from lightning_ddp_amp.amp.apex_loader import load_apex_module
 from lightning_ddp_amp.errors import StrategyConfigurationError
 
 #: torch's ``DistributedDataParallel`` defaults, as its signature declares them.

@@ -43,7 +43,7 @@ from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
-from lightning_ddp_amp.preemption import PREEMPTION
+from lightning_ddp_amp.launch.preemption import PREEMPTION
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

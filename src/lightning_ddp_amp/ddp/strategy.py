@@ -42,27 +42,16 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
-from lightning_ddp_amp import selflaunch
-from lightning_ddp_amp.data import (
+from lightning_ddp_amp.amp.precision import AmpPrecision, describe_crossing
+from lightning_ddp_amp.ddp.data import (
     align_resumed_epoch,
     check_resumed_positions,
     explain_loader_state_mismatch,
     shard_dataloader,
     warn_unshuffled_training_shards,
 )
-from lightning_ddp_amp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
-from lightning_ddp_amp.environment import Topology, started_by
-from lightning_ddp_amp.errors import StrategyConfigurationError
-from lightning_ddp_amp.precision import AmpPrecision, describe_crossing
-from lightning_ddp_amp.process_group import (
-    check_script_group,
-    destroy_process_group,
-    explain_peer_failure,
-    init_process_group,
-    started_by_script,
-    torch_gaps,
-)
-from lightning_ddp_amp.resume import (
+from lightning_ddp_amp.ddp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
+from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
     ResumePoint,
@@ -71,7 +60,18 @@ from lightning_ddp_amp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-from lightning_ddp_amp.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
+from lightning_ddp_amp.ddp.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
+from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.launch import selflaunch
+from lightning_ddp_amp.launch.environment import Topology, started_by
+from lightning_ddp_amp.launch.process_group import (
+    check_script_group,
+    destroy_process_group,
+    explain_peer_failure,
+    init_process_group,
+    started_by_script,
+    torch_gaps,
+)
 
 
 class EnvDDPStrategy(DDPStrategy):
@@ -223,7 +223,7 @@ class EnvDDPStrategy(DDPStrategy):
     @cluster_environment.setter
     def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
         """Read the topology from ``environment`` (:meth:`TrainerFlags.set_environment
-        <lightning_ddp_amp.trainer_flags.TrainerFlags.set_environment>`); None leaves the choice open.
+        <lightning_ddp_amp.ddp.trainer_flags.TrainerFlags.set_environment>`); None leaves the choice open.
 
         Raises:
             LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
@@ -267,7 +267,7 @@ class EnvDDPStrategy(DDPStrategy):
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
-                precision plugin cannot train with (:func:`~lightning_ddp_amp.trainer_flags.check_precision_plugin`).
+                precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.trainer_flags.check_precision_plugin`).
         """
         check_precision_plugin(self.precision_plugin, self._ddp, self._ddp_comm_hook, self._ddp_comm_wrapper)
         self._flags.check(self.accelerator, devices, num_nodes, use_distributed_sampler, self.exact_eval)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_ddp_amp.environment import Topology
 from lightning_ddp_amp.errors import LauncherEnvironmentError
+from lightning_ddp_amp.launch.environment import Topology
 
 
 def select_devices(

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ddp_amp.environment import Topology
 from lightning_ddp_amp.errors import PeerError, StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.launch.environment import Topology
 
 # What gloo and NCCL say when a peer process is gone.
 _PEER_GONE = re.compile(

@@ -22,9 +22,9 @@ from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any, NoReturn
 
-from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE, other_launcher
 from lightning_ddp_amp.errors import StrategyConfigurationError
-from lightning_ddp_amp.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, PREEMPTION_REPORT_VARIABLE
+from lightning_ddp_amp.launch.environment import SELF_LAUNCH_VARIABLE, other_launcher
+from lightning_ddp_amp.launch.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, PREEMPTION_REPORT_VARIABLE
 
 
 def script_command(main: ModuleType | None = None, argv: Sequence[str] | None = None) -> list[str]:

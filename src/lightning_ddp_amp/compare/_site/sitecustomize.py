@@ -63,7 +63,7 @@ class _ThenPatch(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        from lightning_ddp_amp import compare_recorder
+        from lightning_ddp_amp.compare import recorder as compare_recorder
 
         compare_recorder.patch(module.__name__, os.environ[PLAN_VARIABLE])
 
