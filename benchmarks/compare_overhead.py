@@ -23,7 +23,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp_amp.compare_recorder import Changes, Plan, Recording
+from lightning_ddp_amp.compare.recorder import Changes, Plan, Recording
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP = 20

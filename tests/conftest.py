@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_ddp_amp import native_amp
+from lightning_ddp_amp.amp import native_amp
 
 PACKAGE = "lightning_ddp_amp"
 

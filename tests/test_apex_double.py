@@ -842,7 +842,7 @@ def _apex_ddp_rank(rank: int, port: int, out: str) -> None:
     torch.distributed.barrier()  # both records are saved before either rank tears gloo down
     # The package's teardown: on torch 2.1 a plain destroy_process_group() right after a collective hangs the finished
     # process about one exit in three (pytorch/pytorch#154976; docs/maintainers.md).
-    from lightning_ddp_amp.process_group import destroy_process_group
+    from lightning_ddp_amp.launch.process_group import destroy_process_group
 
     destroy_process_group()
 

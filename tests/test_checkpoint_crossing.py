@@ -23,7 +23,7 @@ from test_precision import DATA, TwoModels, fit, fresh_apex_double, trainer
 from torch.utils.data import DataLoader
 
 from lightning_ddp_amp import AmpPrecision
-from lightning_ddp_amp.precision import describe_crossing
+from lightning_ddp_amp.amp.precision import describe_crossing
 
 pytestmark = needs_cpu_fp16
 

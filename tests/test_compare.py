@@ -27,16 +27,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 import lightning_ddp_amp
-from lightning_ddp_amp import (
-    AmpPrecision,
-    EnvDDPStrategy,
-    StrategyConfigurationError,
-    compare,
-    compare_recorder,
-    compare_report,
-)
-from lightning_ddp_amp.compare_recorder import FINAL_WEIGHTS, PLAN_VARIABLE
-from lightning_ddp_amp.compare_report import Candidate
+from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfigurationError, compare
+from lightning_ddp_amp.compare import recorder as compare_recorder
+from lightning_ddp_amp.compare import report as compare_report
+from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, PLAN_VARIABLE
+from lightning_ddp_amp.compare.report import Candidate
 
 REPO = Path(__file__).parent.parent
 SCRIPT = str(WORKERS / "compare_train.py")

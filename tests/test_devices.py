@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_ddp_amp import LauncherEnvironmentError, Topology
-from lightning_ddp_amp.devices import select_devices
+from lightning_ddp_amp.launch.devices import select_devices
 
 
 def topology(local_rank: int, local_world_size: int = 2) -> Topology:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_ddp_amp import LauncherEnvironmentError, Topology, read_topology
-from lightning_ddp_amp.environment import check_rank_variables, detect_launcher
+from lightning_ddp_amp.launch.environment import check_rank_variables, detect_launcher
 
 # `srun --nodes=2 --ntasks-per-node=2 python train.py` in a job that asked for 4 nodes of 4 tasks: the task with
 # global rank 3, on the second node. The job's variables (SLURM_NTASKS, SLURM_NTASKS_PER_NODE, ...) describe the

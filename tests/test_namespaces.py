@@ -112,7 +112,7 @@ def test_a_user_file_type_checks_against_the_standalone_classes(tmp_path: Path) 
 
 def test_process_wide_state_exists_once_in_both_flavours() -> None:
     # A signal has one handler per process: whichever Trainer trains, its strategy watches the one SIGTERM flag.
-    from lightning_ddp_amp import resume
+    from lightning_ddp_amp.ddp import resume
 
     copied = importlib.import_module(f"{_namespaces.NAMESPACE}.resume")
     assert copied is not resume

@@ -25,7 +25,7 @@ from lightning_ddp_amp import (
     PrecisionConfigurationError,
     StrategyConfigurationError,
 )
-from lightning_ddp_amp.native_amp import NativeAmp
+from lightning_ddp_amp.amp.native_amp import NativeAmp
 
 DATA = TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.randn(32, 1))
 
@@ -756,7 +756,7 @@ def test_o2_master_weights_of_another_model_are_a_clear_error(apex_double: Modul
 
 
 def skip_aware_step_lr() -> Any:
-    from lightning_ddp_amp.precision import SkipAwareScheduler
+    from lightning_ddp_amp.amp.precision import SkipAwareScheduler
 
     optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
     return SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), lambda _: False)
@@ -952,7 +952,7 @@ def test_a_transformer_under_apex_o1_on_a_torch_without_the_fast_path_switch_is_
     apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As on torch 2.1 and 2.2 (named by its path: the native backend's tests run without the apex module).
-    monkeypatch.setattr("lightning_ddp_amp.apex_amp._attention_fast_path_switch", lambda: None)
+    monkeypatch.setattr("lightning_ddp_amp.amp.apex_amp._attention_fast_path_switch", lambda: None)
     t = fit(TwoModels(), precision="apex-O1")
     with pytest.raises(
         PrecisionConfigurationError,

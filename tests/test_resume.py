@@ -25,9 +25,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
 from lightning_ddp_amp._namespaces import namespaced_modules
-from lightning_ddp_amp.data import _position_of, check_resumed_positions, shard_dataloader
-from lightning_ddp_amp.preemption import PREEMPTION
-from lightning_ddp_amp.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
+from lightning_ddp_amp.ddp.data import _position_of, check_resumed_positions, shard_dataloader
+from lightning_ddp_amp.ddp.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
+from lightning_ddp_amp.launch.preemption import PREEMPTION
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))
 
@@ -753,7 +753,7 @@ def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> N
     script = tmp_path / "sigterm.py"
     script.write_text(
         "import os, signal, time\n"
-        "from lightning_ddp_amp.preemption import PREEMPTION\n"
+        "from lightning_ddp_amp.launch.preemption import PREEMPTION\n"
         "PREEMPTION.start(graceful=True)\n"
         "PREEMPTION.stop()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"

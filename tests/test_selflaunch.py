@@ -20,10 +20,11 @@ import torch.distributed
 import torch.distributed.run
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from lightning_ddp_amp import StrategyConfigurationError, selflaunch
-from lightning_ddp_amp.environment import SELF_LAUNCH_VARIABLE
-from lightning_ddp_amp.preemption import PREEMPTION, PREEMPTION_REPORT_VARIABLE
-from lightning_ddp_amp.selflaunch import _first_failure
+from lightning_ddp_amp import StrategyConfigurationError
+from lightning_ddp_amp.launch import selflaunch
+from lightning_ddp_amp.launch.environment import SELF_LAUNCH_VARIABLE
+from lightning_ddp_amp.launch.preemption import PREEMPTION, PREEMPTION_REPORT_VARIABLE
+from lightning_ddp_amp.launch.selflaunch import _first_failure
 
 
 def main_module(file: str | None = None, spec_name: str | None = None) -> types.ModuleType:

@@ -26,11 +26,10 @@ from lightning_ddp_amp import (
     EnvDDPStrategy,
     StrategyConfigurationError,
     TopologyMismatchError,
-    process_group,
-    selflaunch,
 )
-from lightning_ddp_amp.ddp_options import DEVIATIONS
-from lightning_ddp_amp.environment import Topology
+from lightning_ddp_amp.ddp.ddp_options import DEVIATIONS
+from lightning_ddp_amp.launch import process_group, selflaunch
+from lightning_ddp_amp.launch.environment import Topology
 
 TWO_RANKS = {
     "RANK": "1",

@@ -18,8 +18,10 @@ from conftest import free_port, worker_env
 from packaging.version import Version
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError, doctor, native_amp, process_group
-from lightning_ddp_amp.environment import Topology
+from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError, doctor
+from lightning_ddp_amp.amp import native_amp
+from lightning_ddp_amp.launch import process_group
+from lightning_ddp_amp.launch.environment import Topology
 
 TORCH_RELEASE = Version(torch.__version__).release
 
@@ -187,8 +189,8 @@ def test_a_rank_alone_is_a_peer_error_counting_the_ranks_that_joined() -> None:
 JOIN_ONE_OF_FOUR = """
 import sys, torch
 from datetime import timedelta
-from lightning_ddp_amp import process_group
-from lightning_ddp_amp.environment import Topology
+from lightning_ddp_amp.launch import process_group
+from lightning_ddp_amp.launch.environment import Topology
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 job = Topology(rank=rank, world_size=4, local_world_size=4, master_addr="127.0.0.1", master_port=port,
                launcher="environment")
