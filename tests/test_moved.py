@@ -42,3 +42,16 @@ def test_an_old_path_warns_with_the_new_one_and_is_the_moved_module(
         module = importlib.import_module(old)
     assert len(warned) == 1
     assert module is moved  # every name the same object, and patching the old path patches the real module
+
+
+@pytest.mark.parametrize("old", ["strategy", "precision", "resume", "data", "cluster_environment", "native_amp"])
+def test_an_old_path_of_the_pytorch_lightning_flavour_warns_with_its_new_one(
+    old: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("pytorch_lightning")
+    flavour = "lightning_ddp_amp.pytorch_lightning"
+    old, new = f"{flavour}.{old}", f"{flavour}.{MOVED[old]}"
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    moved = importlib.import_module(new)
+    with pytest.warns(DeprecationWarning, match=rf"^{old} moved to {new}: import it from there\."):
+        assert importlib.import_module(old) is moved

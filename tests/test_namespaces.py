@@ -23,6 +23,12 @@ pl = pytest.importorskip("pytorch_lightning")
 import lightning_ddp_amp.pytorch_lightning as plugins  # noqa: E402
 
 SOURCE = Path(lightning_ddp_amp.__file__).parent
+#: The old paths of moved modules (lightning_ddp_amp._moved) that the flavour copies too; tests/test_moved.py checks them.
+SHIMS = {
+    module
+    for module in _namespaces.namespaced_modules()
+    if "lightning_ddp_amp._moved" in _namespaces._imports(_namespaces.source_file(module))
+}
 
 
 def test_plugins_derive_from_the_standalone_packages_classes() -> None:
@@ -37,21 +43,21 @@ def test_plugins_derive_from_the_standalone_packages_classes() -> None:
 
 def test_one_source_of_truth_shared_errors_and_modules() -> None:
     # Built from the very files of lightning_ddp_amp, not a copy in the repository.
-    assert Path(sys.modules[plugins.EnvDDPStrategy.__module__].__file__ or "") == SOURCE / "strategy.py"
+    assert Path(sys.modules[plugins.EnvDDPStrategy.__module__].__file__ or "") == SOURCE / "ddp" / "strategy.py"
     assert plugins.LauncherEnvironmentError is lightning_ddp_amp.LauncherEnvironmentError
     assert plugins.read_topology is lightning_ddp_amp.read_topology
     copied = _namespaces.namespaced_modules()
-    assert {"strategy", "precision", "cli", "_lightning"} <= copied
-    for path in SOURCE.glob("*.py"):
-        if path.stem not in copied | {"__init__", "__main__", "_namespaces"}:
-            assert not any(m.split(".")[0] == "lightning" for m in _namespaces._imports(path)), path.name
+    assert {"ddp.strategy", "amp.precision", "cli", "_lightning"} <= copied
+    for module, path in _namespaces._modules().items():
+        if module not in copied | {"__init__", "__main__", "_namespaces"}:
+            assert not any(m.split(".")[0] == "lightning" for m in _namespaces._imports(path)), module
 
 
 @pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules()))
 def test_every_copied_module_imports_only_the_standalone_package_and_the_copies(module: str) -> None:
     # Parsed after the rewrite: an import form the rewrite misses (`import lightning as L`, a parenthesised
     # `from lightning_ddp_amp import (...)`) would mix the two class hierarchies, and fails here.
-    source = (SOURCE / f"{module}.py").read_text()
+    source = _namespaces.source_file(module).read_text()
     rewritten = _namespaces.rewrite(source)
     assert rewritten.count("\n") == source.count("\n")  # tracebacks point at the real lines
     copied = _namespaces.namespaced_modules()
@@ -62,23 +68,32 @@ def test_every_copied_module_imports_only_the_standalone_package_and_the_copies(
         for name in names:
             assert name.split(".")[0] != "lightning", f"{module}.py still imports {name}"
             flavour = name.removeprefix(f"{_namespaces.NAMESPACE}.")
-            in_flavour = copied | set(_namespaces._PUBLIC_CLASSES)
-            assert flavour == name or flavour.split(".")[0] in in_flavour, f"{module}.py imports {name}: not copied"
+            in_flavour = copied | _namespaces.namespaced_packages() | set(_namespaces._PUBLIC_CLASSES)
+            assert flavour == name or _prefixes(flavour) & in_flavour, f"{module}.py imports {name}: not copied"
             shared = name.removeprefix("lightning_ddp_amp.")
-            assert shared == name or shared.split(".")[0] not in copied, f"{module}.py imports the original {name}"
+            assert shared == name or not _prefixes(shared) & copied, f"{module}.py imports the original {name}"
 
 
-@pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules()))
+def _prefixes(name: str) -> set[str]:
+    """``a``, ``a.b`` and ``a.b.c`` for ``a.b.c``."""
+    parts = name.split(".")
+    return {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+
+
+@pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules() - SHIMS))
 def test_every_copied_module_imports_in_the_standalone_flavour(module: str) -> None:
-    assert importlib.import_module(f"{_namespaces.NAMESPACE}.{module}").__file__ == str(SOURCE / f"{module}.py")
+    path = _namespaces.source_file(module)
+    assert importlib.import_module(f"{_namespaces.NAMESPACE}.{module}").__file__ == str(path)
 
 
 def test_the_type_stubs_are_the_rewritten_sources() -> None:
     # Type checkers and IDEs read the stubs, not the import hook: they must declare what the hook builds.
-    committed = {path: path.read_text() for path in _namespaces.STUBS.glob("*.pyi")}
+    committed = {path: path.read_text() for path in _namespaces.STUBS.rglob("*.pyi")}
     expected = _namespaces.stubs()
     stale = sorted(
-        path.name for path in committed.keys() | expected.keys() if committed.get(path) != expected.get(path)
+        path.relative_to(_namespaces.STUBS).as_posix()
+        for path in committed.keys() | expected.keys()
+        if committed.get(path) != expected.get(path)
     )
     assert not stale, (
         f"stubs={stale}: out of date with the sources."
@@ -114,7 +129,7 @@ def test_process_wide_state_exists_once_in_both_flavours() -> None:
     # A signal has one handler per process: whichever Trainer trains, its strategy watches the one SIGTERM flag.
     from lightning_ddp_amp.ddp import resume
 
-    copied = importlib.import_module(f"{_namespaces.NAMESPACE}.resume")
+    copied = importlib.import_module(f"{_namespaces.NAMESPACE}.ddp.resume")
     assert copied is not resume
     assert copied.PREEMPTION is resume.PREEMPTION
 
@@ -154,8 +169,8 @@ def test_strategy_and_precision_strings_work_whatever_the_import_order(imports: 
     result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [
-        "lightning_ddp_amp.pytorch_lightning.strategy",
-        "lightning_ddp_amp.pytorch_lightning.precision",
+        "lightning_ddp_amp.pytorch_lightning.ddp.strategy",
+        "lightning_ddp_amp.pytorch_lightning.amp.precision",
     ]
 
 

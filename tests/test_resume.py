@@ -767,5 +767,5 @@ def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> N
 
 def test_the_preemption_flag_lives_in_a_module_that_does_not_import_lightning() -> None:
     # Such modules are shared by the lightning and pytorch_lightning flavours, so the flag exists once per process.
-    assert "preemption" not in namespaced_modules()
-    assert {"resume", "strategy"} <= namespaced_modules()
+    assert "launch.preemption" not in namespaced_modules()
+    assert {"ddp.resume", "ddp.strategy"} <= namespaced_modules()

@@ -17,7 +17,10 @@ already imported, otherwise right after it is (a one-shot import hook), so users
 for importing it (about 0.15 s and some memory). A failure there is a warning: it never breaks
 ``import pytorch_lightning``.
 
-Type checkers and IDEs do not run import hooks, so the flavour also exists as type stubs, ``pytorch_lightning/*.pyi``
+The flavour mirrors the subpackages: ``lightning_ddp_amp.ddp.strategy`` is copied as
+``lightning_ddp_amp.pytorch_lightning.ddp.strategy``; a subpackage of the flavour holds only the copied modules.
+
+Type checkers and IDEs do not run import hooks, so the flavour also exists as type stubs, ``pytorch_lightning/**.pyi``
 beside these files: each is :func:`stub` of a copied module, that is, the same rewrite with the function bodies left
 out, so every signature and base class is the real one, in ``pytorch_lightning``'s class hierarchy. They are
 generated, never edited: :func:`write_stubs` regenerates them, and ``tests/test_namespaces.py`` fails when they differ
@@ -45,16 +48,32 @@ NAMESPACE = f"{PACKAGE}.pytorch_lightning"
 _ROOT = Path(__file__).parent
 #: The flavour's type stubs: read by type checkers only, the import hook below serves the modules.
 STUBS = _ROOT / "pytorch_lightning"
-# Modules never copied: the entry points and this module.
+# Modules never copied: the entry points and this module. Names are relative to the package: "ddp.strategy".
 _NEVER = {"__init__", "__main__", "command", "_namespaces"}
 # The public classes of the copied modules, as named in messages and docs (`lightning_ddp_amp.AmpPrecision`).
 _PUBLIC_CLASSES = ("EnvDDPStrategy", "AmpPrecision", "LauncherEnvironment")
 
 
+def _modules() -> dict[str, Path]:
+    """This package's modules (not its subpackages' ``__init__``), by name relative to the package: "ddp.strategy"."""
+    found = {}
+    for path in sorted(_ROOT.rglob("*.py")):
+        parts = path.relative_to(_ROOT).with_suffix("").parts
+        if parts[0] != STUBS.name and (len(parts) == 1 or parts[-1] != "__init__"):
+            found[".".join(parts)] = path
+    return found
+
+
+def source_file(module: str) -> Path:
+    """The source file of ``module``, a copied module or a subpackage of the flavour ("ddp"), relative name."""
+    path = _ROOT.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
 @functools.cache
 def namespaced_modules() -> frozenset[str]:
-    """The modules of this package that import Lightning, directly or through one another."""
-    imports = {path.stem: _imports(path) for path in _ROOT.glob("*.py") if path.stem not in _NEVER}
+    """The modules of this package that import Lightning, directly or through one another ("ddp.strategy")."""
+    imports = {name: _imports(path) for name, path in _modules().items() if name not in _NEVER}
     found = {name for name, imported in imports.items() if any(m.split(".")[0] == "lightning" for m in imported)}
     while True:
         more = {
@@ -65,6 +84,14 @@ def namespaced_modules() -> frozenset[str]:
         if not more:
             return frozenset(found)
         found |= more
+
+
+@functools.cache
+def namespaced_packages() -> frozenset[str]:
+    """The subpackages of the flavour: those that hold a copied module ("ddp", "amp", ...)."""
+    return frozenset(
+        module.rsplit(".", depth)[0] for module in namespaced_modules() for depth in range(1, module.count(".") + 1)
+    )
 
 
 def _imports(path: Path) -> set[str]:
@@ -84,20 +111,28 @@ def rewrite(source: str) -> str:
     source = re.sub(r"\blightning\.pytorch\b", "pytorch_lightning", source)
     source = re.sub(r"\blightning\.fabric\b", "lightning_fabric", source)
     source = re.sub(r"^(\s*)import lightning$", r"\1import pytorch_lightning as lightning", source, flags=re.M)
-    copied = "|".join(sorted(namespaced_modules()) + list(_PUBLIC_CLASSES))
-    source = re.sub(rf"\b{PACKAGE}\.({copied})\b", rf"{NAMESPACE}.\1", source)
-    source = re.sub(rf"^([ \t]*)from {PACKAGE} import ([\w ,]+?)([ \t]*(?:#.*)?)$", _from_package, source, flags=re.M)
+    copied = "|".join(re.escape(name) for name in sorted(namespaced_modules(), key=len, reverse=True))
+    source = re.sub(rf"\b{PACKAGE}\.({copied}|{'|'.join(_PUBLIC_CLASSES)})\b", rf"{NAMESPACE}.\1", source)
+    packages = "|".join(re.escape(name) for name in sorted(namespaced_packages(), key=len, reverse=True))
+    source = re.sub(
+        rf"^([ \t]*)from {PACKAGE}((?:\.(?:{packages}))?) import ([\w ,]+?)([ \t]*(?:#.*)?)$",
+        _from_package,
+        source,
+        flags=re.M,
+    )
     return re.sub(rf"^(\s*)import {PACKAGE}(?=\s|$)", rf"\1import {NAMESPACE}", source, flags=re.M)
 
 
 def _from_package(match: re.Match[str]) -> str:
-    """``from lightning_ddp_amp import ...``: the copied names from the flavour, the shared ones from here."""
-    indent, names, comment = match.groups()
+    """``from lightning_ddp_amp[.subpackage] import ...``: the copied names from the flavour, the shared ones from here."""
+    indent, package, names, comment = match.groups()
     listed = [name.strip() for name in names.split(",")]
-    copied = [name for name in listed if name.split()[0] in namespaced_modules() | set(_PUBLIC_CLASSES)]
+    prefix = package.removeprefix(".") + "." if package else ""
+    flavoured = namespaced_modules() | namespaced_packages() | (set() if package else set(_PUBLIC_CLASSES))
+    copied = [name for name in listed if prefix + name.split()[0] in flavoured]
     shared = [name for name in listed if name not in copied]
-    statements = [f"from {NAMESPACE} import {', '.join(copied)}"] if copied else []
-    statements += [f"from {PACKAGE} import {', '.join(shared)}"] if shared else []
+    statements = [f"from {NAMESPACE}{package} import {', '.join(copied)}"] if copied else []
+    statements += [f"from {PACKAGE}{package} import {', '.join(shared)}"] if shared else []
     return indent + "; ".join(statements) + comment  # one line still: tracebacks keep their line numbers
 
 
@@ -147,26 +182,34 @@ def _functions(statements: list[ast.stmt]) -> list[ast.FunctionDef | ast.AsyncFu
 
 def stubs() -> dict[Path, str]:
     """The flavour's type stubs as :func:`write_stubs` writes them, by path."""
-    return {
-        STUBS / f"{module}.pyi": f"# Generated from ../{module}.py by {__name__}.write_stubs(); never edit.\n"
-        + stub((_ROOT / f"{module}.py").read_text())
-        for module in sorted(namespaced_modules() | {"__init__"})
-    }
+    found = {}
+    for module in sorted(namespaced_modules() | namespaced_packages() | {"__init__"}):
+        source = source_file(module)
+        path = STUBS / source.relative_to(_ROOT).with_suffix(".pyi")
+        up = "../" * (len(path.relative_to(STUBS).parts))
+        found[path] = (
+            f"# Generated from {up}{source.relative_to(_ROOT).as_posix()} by {__name__}.write_stubs(); never edit.\n"
+            + stub(source.read_text())
+        )
+    return found
 
 
 def write_stubs() -> None:
     """Regenerate the flavour's type stubs from this package's sources, after any change to a copied module."""
-    STUBS.mkdir(exist_ok=True)
     wanted = stubs()
-    for path in STUBS.glob("*.pyi"):
+    for path in STUBS.rglob("*.pyi"):
         if path not in wanted:
             path.unlink()  # the module is no longer copied (or no longer exists)
+    for folder in sorted(STUBS.rglob("*"), reverse=True):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
     for path, text in wanted.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
 
 
 class _Flavour(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves ``lightning_ddp_amp.pytorch_lightning[.module]`` from this package's files, rewritten."""
+    """Serves ``lightning_ddp_amp.pytorch_lightning[.subpackage][.module]`` from this package's files, rewritten."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
@@ -174,12 +217,15 @@ class _Flavour(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if fullname == NAMESPACE:
             return self._spec(fullname, "__init__", package=True)
         module = fullname.removeprefix(NAMESPACE + ".")
+        if module != fullname and module in namespaced_packages():
+            return self._spec(fullname, module, package=True)
         if module == fullname or module not in namespaced_modules():
             return None  # shared modules are imported under their own name only
         return self._spec(fullname, module, package=False)
 
     def _spec(self, fullname: str, module: str, package: bool) -> importlib.machinery.ModuleSpec:
-        spec = importlib.machinery.ModuleSpec(fullname, self, origin=str(_ROOT / f"{module}.py"), is_package=package)
+        origin = str(source_file(module))
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin=origin, is_package=package)
         spec.has_location = True  # __file__ is the real source file
         if package:
             spec.submodule_search_locations = []  # no directory: every submodule comes from this finder

@@ -8,14 +8,15 @@ and with the standalone ``pytorch_lightning``, whose plugin classes live in ``li
 (built from the same files, see ``_namespaces.py``).
 """
 
-from lightning_ddp_amp.environment import Topology, check_rank_variables, read_topology
+from lightning_ddp_amp.launch.environment import Topology, check_rank_variables, read_topology
 
 # Before anything imports Lightning, which parses RANK and LOCAL_RANK with a bare int() at import time.
 
 from pytorch_lightning.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_ddp_amp.pytorch_lightning import _lightning  # noqa: E402
-from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.ddp.strategy import EnvDDPStrategy  # noqa: E402
 from lightning_ddp_amp.errors import (  # noqa: E402
     ApexUnavailableError,
     CheckpointError,
@@ -26,8 +27,7 @@ from lightning_ddp_amp.errors import (  # noqa: E402
     StrategyConfigurationError,
     TopologyMismatchError,
 )
-from lightning_ddp_amp.pytorch_lightning.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
-from lightning_ddp_amp.pytorch_lightning.strategy import EnvDDPStrategy  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment  # noqa: E402
 
 __version__ = "0.1.0"
 

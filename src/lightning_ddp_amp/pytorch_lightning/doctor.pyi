@@ -31,10 +31,13 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from lightning_ddp_amp.pytorch_lightning import _lightning, native_amp; from lightning_ddp_amp import process_group
-from lightning_ddp_amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES
-from lightning_ddp_amp.devices import select_devices
-from lightning_ddp_amp.environment import (
+from lightning_ddp_amp.pytorch_lightning import _lightning
+from lightning_ddp_amp.pytorch_lightning.amp import native_amp
+from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES
+from lightning_ddp_amp.errors import LightningDDPAmpError
+from lightning_ddp_amp.launch import process_group
+from lightning_ddp_amp.launch.devices import select_devices
+from lightning_ddp_amp.launch.environment import (
     LAUNCHER_VARIABLES,
     MPIRUN_VARIABLES,
     SLURM_NODELISTS,
@@ -46,7 +49,6 @@ from lightning_ddp_amp.environment import (
     read_topology,
     started_by,
 )
-from lightning_ddp_amp.errors import LightningDDPAmpError
 
 #: The oldest torch release the package supports (pyproject.toml: torch>=2.1; CI runs 2.1.2, 2.13.0 and the newest).
 OLDEST_TORCH = Version("2.1")

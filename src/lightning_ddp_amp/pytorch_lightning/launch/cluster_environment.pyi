@@ -1,4 +1,4 @@
-# Generated from ../cluster_environment.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+# Generated from ../../launch/cluster_environment.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
 """Lightning ClusterEnvironments and envddp's Topology, both ways.
 
 :class:`LauncherEnvironment` reports the topology envddp read from the launcher's variables;
@@ -11,19 +11,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from lightning_fabric.plugins.environments import (
-    ClusterEnvironment,
-    KubeflowEnvironment,
-    LightningEnvironment,
-    LSFEnvironment,
-    MPIEnvironment,
-    SLURMEnvironment,
-    TorchElasticEnvironment,
-)
+from lightning_fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning_fabric.plugins.environments.kubeflow import KubeflowEnvironment
+from lightning_fabric.plugins.environments.lightning import LightningEnvironment
+from lightning_fabric.plugins.environments.lsf import LSFEnvironment
+from lightning_fabric.plugins.environments.mpi import MPIEnvironment
+from lightning_fabric.plugins.environments.slurm import SLURMEnvironment
+from lightning_fabric.plugins.environments.torchelastic import TorchElasticEnvironment
 from typing_extensions import override
 
-from lightning_ddp_amp.environment import Topology, detect_launcher
 from lightning_ddp_amp.errors import LauncherEnvironmentError, StrategyConfigurationError
+from lightning_ddp_amp.launch.environment import Topology, detect_launcher
 
 #: What Lightning's Trainer picks by itself when it is given no ClusterEnvironment. Each stands for a launcher envddp
 #: handles itself, so envddp's own validated reading of the variables (``read_topology``) takes its place.

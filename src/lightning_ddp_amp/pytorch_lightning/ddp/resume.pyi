@@ -1,4 +1,4 @@
-# Generated from ../resume.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+# Generated from ../../ddp/resume.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
 """Surviving crashes and preemption: resume from the newest checkpoint, save one when SIGTERM arrives.
 
 ``EnvDDPStrategy(auto_resume=True)`` with a ``ModelCheckpoint(dirpath=..., every_n_train_steps=N)``:
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import os
 import re
 import secrets
@@ -44,7 +45,7 @@ from typing_extensions import override
 
 import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
-from lightning_ddp_amp.preemption import PREEMPTION
+from lightning_ddp_amp.launch.preemption import PREEMPTION
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -183,6 +184,10 @@ class AutoResumeLauncher:
 
     def kill(self, signum: Any) -> None:
         """Nothing to kill: this launcher starts no processes."""
+
+
+def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    ...
 
 
 class AutoResume:

@@ -1,0 +1,227 @@
+# Generated from ../../amp/amp_backend.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""The interface :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` delegates to, and the registry of its backends.
+
+``AmpPrecision`` validates its arguments, picks a backend by name and hands each Lightning hook to it. A backend
+answers those hooks for one AMP implementation: :class:`~lightning_ddp_amp.pytorch_lightning.apex_amp.ApexAmp` (NVIDIA apex amp) or
+:class:`~lightning_ddp_amp.pytorch_lightning.native_amp.NativeAmp` (torch.amp). Hooks a backend does not need keep the defaults here.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from pytorch_lightning import LightningModule
+from pytorch_lightning.strategies import Strategy
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_ddp_amp.errors import LightningDDPAmpError, PrecisionConfigurationError
+
+#: The backends by name, as ``module:class``, in the order ``backend="auto"`` tries them. A backend is imported
+#: only when it is asked for, so removing one is removing its module and its line here.
+_REGISTRY = {
+    "apex": "lightning_ddp_amp.pytorch_lightning.amp.apex_amp:ApexAmp",
+    "native": "lightning_ddp_amp.pytorch_lightning.amp.native_amp:NativeAmp",
+}
+
+#: AmpPrecision's way of choosing the modules amp acts on (``models``, ``configure_amp_models()`` or the module).
+ModuleSelector = Callable[[LightningModule], list[Module]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpSettings:
+    """AmpPrecision's validated arguments, as every backend reads them (see :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`)."""
+
+    opt_level: str
+    dtype: torch.dtype
+    keep_batchnorm_fp32: bool | None
+    loss_scale: float | str | None
+    num_losses: int
+    min_loss_scale: float | None
+    max_loss_scale: float
+    cast_model_outputs: torch.dtype | None
+
+
+class AmpBackend(abc.ABC):
+    """One AMP implementation behind :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`, hook by hook.
+
+    The class methods answer from the settings alone, before a Trainer exists (the strategy asks for
+    ``master_weights`` and ``model_dtype`` then); an instance is built once the device is known.
+    """
+
+    @classmethod
+    @abc.abstractmethod
+    def unavailable(cls, settings: AmpSettings) -> str | None:
+        """Why ``backend="auto"`` cannot choose this backend for ``settings``; None when it can."""
+
+    @classmethod
+    @abc.abstractmethod
+    def check_settings(cls, settings: AmpSettings, requested: str) -> None:
+        """Refuse settings this backend cannot run, when AmpPrecision is built.
+
+        Args:
+            settings: AmpPrecision's arguments.
+            requested: The ``backend`` argument that chose this backend, for messages.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    def lightning_precision(cls, settings: AmpSettings) -> str:
+        """The Lightning precision label (what ``trainer.precision`` reports)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def describe(cls, settings: AmpSettings) -> str:
+        """What the settings run as here, for the line ``backend="auto"`` prints when it falls back."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_settings(cls, settings: AmpSettings, device_type: str) -> AmpBackend:
+        """The backend for ``settings`` on ``device_type`` (``"cuda"``, ``"cpu"``, ...)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def master_weights(cls, settings: AmpSettings) -> bool:
+        """Whether the optimizer steps fp32 master copies of half-precision model weights."""
+
+    @classmethod
+    @abc.abstractmethod
+    def model_dtype(cls, settings: AmpSettings) -> torch.dtype | None:
+        """The dtype the selected modules' weights are cast to; None when they stay fp32."""
+
+    @property
+    @abc.abstractmethod
+    def scales_loss(self) -> bool:
+        """Whether backward runs on a scaled loss, so that the optimizer steps outside the closure."""
+
+    @property
+    @abc.abstractmethod
+    def may_skip_steps(self) -> bool:
+        """Whether a dynamic loss scaler can skip a step on overflow."""
+
+    @classmethod  # noqa: B027 (optional hook)
+    def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
+        """Refuse a strategy or device this backend cannot train with, when the Trainer is built (builds nothing)."""
+
+    @classmethod
+    def unsuited(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> str | None:
+        """Why ``backend="auto"`` cannot choose this backend with ``strategy`` on ``device_type``; None when it can.
+
+        The reason :meth:`check_trainer_setup` would refuse them for: one rule, whether it refuses or passes over.
+        """
+        ...
+
+    def convert_module(self, module: Module, select: ModuleSelector) -> None:  # noqa: B027 (optional hook)
+        """Prepare the model before the optimizers exist (``Precision.convert_module``)."""
+
+    def connect(self, model: Module, select: ModuleSelector, optimizers: list[Optimizer]) -> None:  # noqa: B027
+        """Take the model and its raw optimizers, before any DDP wrap (``Precision.connect``, with optimizers)."""
+
+    def evaluate(self, model: Module) -> None:  # noqa: B027 (optional hook)
+        """Get ready to evaluate ``model`` (validate, test, predict): after a fit of it in this process, as that fit
+        left it; a model no fit connected runs as built."""
+
+    def convert_input(self, data: Any) -> Any:
+        """The batch as the model should see it."""
+        ...
+
+    def forward_context(self) -> AbstractContextManager[None]:
+        """The context every forward runs in."""
+        ...
+
+    @abc.abstractmethod
+    def backward(
+        self,
+        loss: Tensor,
+        optimizers: Sequence[Optimizer],
+        run_backward: Callable[[Tensor], None],
+        loss_id: int,
+        delay_unscale: bool,
+    ) -> None:
+        """Run ``run_backward`` on the loss as this backend scales it.
+
+        Args:
+            loss: The loss.
+            optimizers: The optimizers whose parameters the loss reaches.
+            run_backward: Lightning's backward of the (scaled) loss.
+            loss_id: Which loss scaler scales the loss.
+            delay_unscale: Keep the gradients scaled after backward (gradient accumulation).
+        """
+
+    def unscale(self, optimizer: Optimizer) -> None:  # noqa: B027 (optional hook)
+        """Unscale ``optimizer``'s gradients after the closure, before hooks and clipping see them."""
+
+    @abc.abstractmethod
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> tuple[Any, bool]:
+        """Step ``optimizer`` after its closure ran.
+
+        Returns:
+            The optimizer's return value and whether the step was skipped on overflow.
+        """
+
+    def master_weight_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """``(model parameter, its fp32 master)`` for each parameter the optimizer steps through a master copy."""
+        ...
+
+    def current_loss_scale(self) -> float | None:
+        """The scale of the next backward's loss (of the first loss scaler), or None without loss scaling.
+
+        Read from what the backend already holds on the host, so asking costs no device sync.
+        """
+        ...
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
+        """The parameters the optimizer steps, which gradient clipping must see."""
+        ...
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This backend's part of AmpPrecision's checkpoint state, ``loss_scalers`` included."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from AmpPrecision's checkpoint state, which either backend may have written."""
+
+    def teardown(self) -> None:  # noqa: B027 (optional hook)
+        """Undo what the backend installed on the model."""
+
+
+def backend_names() -> tuple[str, ...]:
+    """The registered backends' names, in the order ``backend="auto"`` tries them."""
+    ...
+
+
+def backend_class(name: str) -> type[AmpBackend]:
+    """The backend registered as ``name``."""
+    ...
+
+
+def choose_backend(
+    requested: str, settings: AmpSettings, strategy: Strategy | None = None, device_type: str | None = None
+) -> tuple[str, type[AmpBackend], list[str]]:
+    """The backend for ``backend=requested``, its settings checked: that one, or for ``"auto"`` the first that can
+    run ``settings`` (and, once the Trainer is built, train with its ``strategy`` on ``device_type``).
+
+    Returns:
+        The backend's name, its class, and why ``"auto"`` passed over the backends before it (for the one line
+        :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` prints on rank 0).
+
+    Raises:
+        PrecisionConfigurationError: The backend cannot run these settings.
+        ApexUnavailableError: ``requested="apex"`` and apex amp cannot be imported.
+    """
+    ...
+
+
+def cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """``data`` with every floating-point tensor in it cast to ``dtype``."""
+    ...
