@@ -1,6 +1,8 @@
 """How the package's modules import one another and Lightning, read from the source (ast, so without importing it).
 
 * No import cycles: every import counts, at module level, inside functions and under ``if TYPE_CHECKING:``.
+* Layers (:data:`LAYERS`): a module imports only from its own part of the package or from a lower layer, so
+  ``launch/`` and ``amp/`` never import each other, ``ddp/`` builds on both, and ``compare/`` on the public package.
 * ``_lightning.py`` is the one door to Lightning's private API: no other module imports a private Lightning name,
   or reaches for an underscore attribute of an object other than its own (``self``/``cls``), also by a string
   (``getattr``, ``attrgetter``) or through the signature of a private function. What a subclass
@@ -38,6 +40,19 @@ NOT_LIGHTNING = {
     "_enable_caching": "apex amp's O1 handle: what amp.init(enable_caching=False) sets",
     "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare_recorder)",
 }
+
+
+#: The parts of the package, by folder or top-level module ("" is the package's ``__init__``), lowest layer first.
+#: The old module paths (shims that import ``_moved``) are a part of their own, in the top layer.
+LAYERS: list[dict[str, set[str]]] = [
+    {"base": {"errors", "_lightning", "_namespaces", "_moved"}},
+    {"launch": {"launch"}, "amp": {"amp"}},
+    {"ddp": {"ddp"}},
+    {"public API": {"", "cli", "doctor"}},
+    {"compare": {"compare"}},
+    {"entry points": {"command", "__main__"}},
+]
+OLD_PATHS = "old paths"
 
 
 def _module_name(path: Path) -> str:
@@ -134,6 +149,66 @@ def test_the_cycle_check_sees_every_kind_of_import(
 ) -> None:
     _fake_package(tmp_path, monkeypatch, {"a": "from lightning_ddp_amp import b", "b": b_imports_a})
     assert find_cycle(import_graph()) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.a"]
+
+
+def part_of(module: str, graph: dict[str, set[str]]) -> tuple[int, str]:
+    """The layer and the part of ``module``, one of the package's."""
+    if f"{PACKAGE}._moved" in graph[module] and module != f"{PACKAGE}._moved":
+        return len(LAYERS) - 1, OLD_PATHS
+    top = module.removeprefix(PACKAGE).removeprefix(".").split(".")[0]
+    for layer, parts in enumerate(LAYERS):
+        for part, members in parts.items():
+            if top in members:
+                return layer, part
+    raise AssertionError(f"{module} is in no part of LAYERS: add its folder or module there")
+
+
+def layer_violations() -> list[str]:
+    """``a -> b`` for each import of a module from another part of the same layer or from a higher one."""
+    graph = import_graph()
+    found = []
+    for module, imported in sorted(graph.items()):
+        layer, part = part_of(module, graph)
+        for other in sorted(imported):
+            other_layer, other_part = part_of(other, graph)
+            if other_part != part and other_layer >= layer:
+                found.append(f"{module} ({part}) -> {other} ({other_part})")
+    return found
+
+
+def test_no_part_imports_a_peer_or_a_higher_layer() -> None:
+    assert layer_violations() == []
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {"launch.a": "from lightning_ddp_amp.ddp import b", "ddp.b": ""},
+            ["launch.a (launch) -> lightning_ddp_amp.ddp.b"],
+        ),
+        (
+            {"launch.a": "from lightning_ddp_amp.amp.b import x", "amp.b": ""},
+            ["launch.a (launch) -> lightning_ddp_amp.amp.b"],
+        ),
+        (
+            {
+                "ddp.a": "from lightning_ddp_amp.amp import b",
+                "amp.b": "from lightning_ddp_amp import errors",
+                "errors": "",
+            },
+            [],
+        ),
+    ],
+    ids=["lower-imports-higher", "peers", "higher-imports-lower"],
+)
+def test_the_layer_check_finds_what_it_looks_for(
+    files: dict[str, str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_package(tmp_path, monkeypatch, files)
+    found = layer_violations()
+    assert len(found) == len(expected)
+    assert all(f"{PACKAGE}.{each}" in line for each, line in zip(expected, found, strict=True))
 
 
 def _lightning_module(name: str) -> str | None:
