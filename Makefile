@@ -49,7 +49,7 @@ LOWEST_TESTS := -k "not exit_zero_every_time and not close_on_the_example_under_
 # 2.13, the newest Lightning) and c (torch 2.1.2, Lightning 2.5.0) run both.
 NEWEST_CORE := $(filter-out tests/test_examples.py tests/test_faults.py,$(CORE_TESTS))
 # The ten-run exit-code loop runs on torch 2.1 only (test-torch21), where a finished run could hang at exit (torch's
-# process group destructor held the GIL while joining gloo's workers, pytorch/pytorch#154976; process_group.py):
+# process group destructor held the GIL while joining gloo's workers, pytorch/pytorch#154976; launch/process_group.py):
 # 80 s that every other leg, where each test's own runs exit too, leaves out to keep `make test` near 12 minutes.
 WITHOUT_EXIT_LOOP := -k "not exit_zero_every_time"
 REPORTS := build/test-reports
