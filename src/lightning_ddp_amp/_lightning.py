@@ -99,7 +99,7 @@ def install_trainer_hook(
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
-            (:func:`lightning_ddp_amp.precision.resolve_precision_flag`).
+            (:func:`lightning_ddp_amp.amp.precision.resolve_precision_flag`).
         strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.EnvDDPStrategy`).
         precision_class: The precision plugin that checks the finished Trainer
             (:class:`~lightning_ddp_amp.AmpPrecision`).
@@ -166,7 +166,7 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
-    itself (:mod:`lightning_ddp_amp.data`) and leaves only prediction to Lightning.
+    itself (:mod:`lightning_ddp_amp.ddp.data`) and leaves only prediction to Lightning.
     """
     trainer._accelerator_connector.use_distributed_sampler = enabled
 
@@ -247,7 +247,7 @@ def move_epoch_batches(trainer: pl.Trainer, by: int) -> None:
 
     Why: Lightning ends an epoch, validates and accumulates gradients by these counters of its undocumented
     progress tracking; a resumed epoch on another number of ranks has another number of batches
-    (:func:`lightning_ddp_amp.data.align_resumed_epoch`).
+    (:func:`lightning_ddp_amp.ddp.data.align_resumed_epoch`).
     """
     progress: Any = trainer.fit_loop.epoch_loop.batch_progress
     for counts in (progress.current, progress.total):

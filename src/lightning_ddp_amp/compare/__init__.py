@@ -10,10 +10,10 @@ Each precision is a candidate; the first is the baseline. A precision is any ``T
 (``apex-O1``, ``amp-O1``, ``16-mixed``, ``bf16-mixed``, ``32-true``, ...) or, for compare only, ``native-O0`` …
 ``native-O3``: torch's own AMP at that apex level even where apex is installed (where ``amp-O*`` runs apex). The candidates run one after the other, each as the
 user's own command, unchanged: the script need not import this package. What changes inside each run, and what it
-records, is :mod:`lightning_ddp_amp.compare_recorder`'s. One command serves every candidate; with as many commands as
+records, is :mod:`lightning_ddp_amp.compare.recorder`'s. One command serves every candidate; with as many commands as
 candidates (each after its own ``--``), candidate *i* runs command *i*.
 
-Afterwards :mod:`lightning_ddp_amp.compare_report` checks that the runs are comparable, and reports each candidate
+Afterwards :mod:`lightning_ddp_amp.compare.report` checks that the runs are comparable, and reports each candidate
 against the baseline: on the terminal, in ``DIR/compare.json`` and, with matplotlib, in ``DIR/compare.png``.
 
 Exit status: 0 when every candidate is close to the baseline; 1 when one is apart or failed; 2 when nothing could

@@ -82,7 +82,7 @@ class EnvDDPStrategy(DDPStrategy):
     variables the same script trains as one process on the default device, with no process group, unless the
     Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then the
     strategy starts the N ranks itself through torchrun, re-running the script with the same arguments
-    (:mod:`lightning_ddp_amp.selflaunch`). A process group the script started itself (a classic script's
+    (:mod:`lightning_ddp_amp.launch.selflaunch`). A process group the script started itself (a classic script's
     ``dist.init_process_group`` before the Trainer) is trained on once its rank, world size and backend are found to
     be the launcher's and envddp's; the script ends it, as it started it.
 
@@ -102,7 +102,7 @@ class EnvDDPStrategy(DDPStrategy):
         timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
             A ``timedelta`` or seconds. A process group the script started keeps the timeout the script gave it.
         find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
-            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp_options.DEVIATIONS` says why not.
+            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
             a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
@@ -115,12 +115,12 @@ class EnvDDPStrategy(DDPStrategy):
         max_restarts: When the strategy starts the ranks itself, how many times torchrun may restart them after a
             failure (``torchrun --max-restarts``); with ``auto_resume`` each restart resumes from the newest
             checkpoint. Under an external launcher, pass ``--max-restarts`` to it instead.
-        auto_resume: Survive crashes and preemption (see :mod:`lightning_ddp_amp.resume`): every fit starts from
+        auto_resume: Survive crashes and preemption (see :mod:`lightning_ddp_amp.ddp.resume`): every fit starts from
             the newest checkpoint of the ``ModelCheckpoint`` directory, and SIGTERM saves one before exiting.
         ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
             (``apex.parallel.DistributedDataParallel``, as apex-era scripts used; ``**ddp_kwargs`` then go to it).
         split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks; one
-            process trains the same global batches as several (see :mod:`lightning_ddp_amp.data`).
+            process trains the same global batches as several (see :mod:`lightning_ddp_amp.ddp.data`).
         exact_eval: Shard validation and test sets without padding duplicates, so every sample is evaluated once
             and epoch-level metrics equal a single-process run. Log eval metrics per epoch (Lightning's default
             for validation) when this is on: ranks may run one batch more or less than each other.
@@ -228,7 +228,7 @@ class EnvDDPStrategy(DDPStrategy):
         Raises:
             LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
             StrategyConfigurationError: The environment cannot be honoured (see
-                :func:`~lightning_ddp_amp.cluster_environment.environment_topology`).
+                :func:`~lightning_ddp_amp.launch.cluster_environment.environment_topology`).
         """
         self._flags.set_environment(environment)
 
@@ -397,7 +397,7 @@ class EnvDDPStrategy(DDPStrategy):
     @property
     def ddp_options(self) -> dict[str, Any]:
         """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        defaults (:data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
         return self._ddp.to_kwargs(master_weights(self.precision_plugin))
 
     @override
@@ -534,7 +534,7 @@ class EnvDDPStrategy(DDPStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.resume.AtomicCheckpointIO`)."""
+        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.ddp.resume.AtomicCheckpointIO`)."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
         return self._checkpoint_io

@@ -40,7 +40,7 @@ DEFAULT_MASTER_PORT = 29500
 
 #: Process counts exported by launchers envddp does not read (MPICH / Intel MPI, MVAPICH, LSF's jsrun).
 OTHER_LAUNCHER_SIZES = ("PMI_SIZE", "MV2_COMM_WORLD_SIZE", "JSM_NAMESPACE_SIZE")
-#: Set by EnvDDPStrategy for the ranks it starts itself (:mod:`lightning_ddp_amp.selflaunch`).
+#: Set by EnvDDPStrategy for the ranks it starts itself (:mod:`lightning_ddp_amp.launch.selflaunch`).
 SELF_LAUNCH_VARIABLE = "LIGHTNING_DDP_AMP_SELF_LAUNCHED"
 
 _LAUNCH_HINT = "launch with `torchrun --nproc-per-node=N train.py`, which sets every launcher variable for you"

@@ -28,7 +28,7 @@ _ON_SIGINT = (
     " without it\n"
 )
 
-#: Set by a self-launch's agent for its ranks (:mod:`lightning_ddp_amp.selflaunch`): a file it created, where rank 0
+#: Set by a self-launch's agent for its ranks (:mod:`lightning_ddp_amp.launch.selflaunch`): a file it created, where rank 0
 #: writes the path of the checkpoint it saved on preemption, so the agent's last line can name it.
 PREEMPTION_REPORT_VARIABLE = "LIGHTNING_DDP_AMP_PREEMPTION_REPORT"
 

@@ -155,7 +155,7 @@ def preempted_checkpoint(report: str, failures: Iterable[Any]) -> str | None:
 
     Args:
         report: The file rank 0 writes the checkpoint's path to (:meth:`Preemption.saved
-            <lightning_ddp_amp.preemption.Preemption.saved>`), emptied when training starts.
+            <lightning_ddp_amp.launch.preemption.Preemption.saved>`), emptied when training starts.
         failures: torchrun's records of the ranks that failed. A preempted rank exits 143; a peer that torchrun
             stopped once the first rank had exited dies of its SIGTERM. Any other status is a crash, even after a
             save, and keeps torchrun's full report.

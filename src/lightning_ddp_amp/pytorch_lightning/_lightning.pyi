@@ -100,7 +100,7 @@ def install_trainer_hook(
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
-            (:func:`lightning_ddp_amp.pytorch_lightning.precision.resolve_precision_flag`).
+            (:func:`lightning_ddp_amp.pytorch_lightning.amp.precision.resolve_precision_flag`).
         strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy`).
         precision_class: The precision plugin that checks the finished Trainer
             (:class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`).
@@ -130,7 +130,7 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
-    itself (:mod:`lightning_ddp_amp.pytorch_lightning.data`) and leaves only prediction to Lightning.
+    itself (:mod:`lightning_ddp_amp.pytorch_lightning.ddp.data`) and leaves only prediction to Lightning.
     """
     ...
 
@@ -195,7 +195,7 @@ def move_epoch_batches(trainer: pl.Trainer, by: int) -> None:
 
     Why: Lightning ends an epoch, validates and accumulates gradients by these counters of its undocumented
     progress tracking; a resumed epoch on another number of ranks has another number of batches
-    (:func:`lightning_ddp_amp.pytorch_lightning.data.align_resumed_epoch`).
+    (:func:`lightning_ddp_amp.pytorch_lightning.ddp.data.align_resumed_epoch`).
     """
     ...
 

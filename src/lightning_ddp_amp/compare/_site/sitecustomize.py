@@ -1,7 +1,7 @@
 """Python runs this at start-up in every process of a ``lightning-ddp-amp compare`` run (agents and ranks alike).
 
 It imports nothing heavy: it waits for the script to import ``lightning`` or ``pytorch_lightning``, then has
-:mod:`lightning_ddp_amp.compare_recorder` patch that namespace's Trainer, so the script runs unchanged. An
+:mod:`lightning_ddp_amp.compare.recorder` patch that namespace's Trainer, so the script runs unchanged. An
 uncaught exception is written to the run's folder, so that the report can name it. Any ``sitecustomize`` this
 folder shadows (a virtualenv's, a distribution's) runs afterwards, as it would have without compare.
 """

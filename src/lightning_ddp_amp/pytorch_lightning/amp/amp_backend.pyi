@@ -2,8 +2,8 @@
 """The interface :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` delegates to, and the registry of its backends.
 
 ``AmpPrecision`` validates its arguments, picks a backend by name and hands each Lightning hook to it. A backend
-answers those hooks for one AMP implementation: :class:`~lightning_ddp_amp.pytorch_lightning.apex_amp.ApexAmp` (NVIDIA apex amp) or
-:class:`~lightning_ddp_amp.pytorch_lightning.native_amp.NativeAmp` (torch.amp). Hooks a backend does not need keep the defaults here.
+answers those hooks for one AMP implementation: :class:`~lightning_ddp_amp.pytorch_lightning.amp.apex_amp.ApexAmp` (NVIDIA apex amp) or
+:class:`~lightning_ddp_amp.pytorch_lightning.amp.native_amp.NativeAmp` (torch.amp). Hooks a backend does not need keep the defaults here.
 """
 
 from __future__ import annotations

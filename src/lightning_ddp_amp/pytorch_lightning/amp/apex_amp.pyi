@@ -6,7 +6,7 @@
         scaled_loss.backward()
     optimizer.step()
 
-Finding and importing apex is :mod:`lightning_ddp_amp.apex_loader`'s part.
+Finding and importing apex is :mod:`lightning_ddp_amp.amp.apex_loader`'s part.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
     optimizer.step()
 
 ``precision="amp-O1"`` does the same with apex when it is importable and with torch.amp otherwise; the table in
-:mod:`lightning_ddp_amp.pytorch_lightning.native_amp` says what each level means natively.
+:mod:`lightning_ddp_amp.pytorch_lightning.amp.native_amp` says what each level means natively.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class AmpPrecision(Precision):
 
     @property
     def amp_backend(self) -> AmpBackend:
-        """The backend the hooks hand over to (:mod:`~lightning_ddp_amp.pytorch_lightning.amp_backend`): apex's or torch.amp's.
+        """The backend the hooks hand over to (:mod:`~lightning_ddp_amp.pytorch_lightning.amp.amp_backend`): apex's or torch.amp's.
 
         Built on first use, after the Trainer has told the device (``check_trainer_setup``); a plugin used alone
         guesses it.

@@ -11,18 +11,17 @@
 * the first Ctrl-C (SIGINT) does the same, with status 130 (128 + SIGINT); a second one stops at once, unsaved.
 
 A checkpoint saved mid-epoch continues on any number of ranks, with the data set, seed and order it was saved with
-(see :mod:`lightning_ddp_amp.pytorch_lightning.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words
+(see :mod:`lightning_ddp_amp.pytorch_lightning.ddp.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words
 the error: which file (and that ``auto_resume`` picked it), why, and the ways on.
 
 :class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
-(:data:`lightning_ddp_amp.preemption.PREEMPTION`).
+(:data:`lightning_ddp_amp.launch.preemption.PREEMPTION`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import inspect
 import os
 import re
 import secrets
@@ -131,7 +130,7 @@ def check_step_schedulers(trainer: pl.Trainer, resuming: ResumePoint, world_size
         trainer: The Trainer, at the start of training.
         resuming: The checkpoint it continues.
         world_size: This run's number of ranks.
-        start: The batch index the resumed epoch continues at (:func:`lightning_ddp_amp.pytorch_lightning.data.align_resumed_epoch`).
+        start: The batch index the resumed epoch continues at (:func:`lightning_ddp_amp.pytorch_lightning.ddp.data.align_resumed_epoch`).
 
     Raises:
         CheckpointError: A step-wise scheduler with ``total_steps`` has fewer steps left than this fit takes.
@@ -186,16 +185,12 @@ class AutoResumeLauncher:
         """Nothing to kill: this launcher starts no processes."""
 
 
-def _given_ckpt_path(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    ...
-
-
 class AutoResume:
     """Auto-resume and preemption for one strategy: each of its hooks makes one call here.
 
     Args:
         enabled: ``auto_resume``. Without it nothing is resumed, and SIGTERM during training ends the process at
-            once (see :class:`~lightning_ddp_amp.preemption.Preemption`).
+            once (see :class:`~lightning_ddp_amp.launch.preemption.Preemption`).
     """
 
     def __init__(self, enabled: bool) -> None:

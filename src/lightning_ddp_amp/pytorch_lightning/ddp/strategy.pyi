@@ -37,7 +37,6 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -52,7 +51,7 @@ from lightning_ddp_amp.pytorch_lightning.ddp.data import (
     shard_dataloader,
     warn_unshuffled_training_shards,
 )
-from lightning_ddp_amp.ddp.ddp_options import DDPOptions
+from lightning_ddp_amp.ddp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
 from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -62,11 +61,10 @@ from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
+from lightning_ddp_amp.errors import StrategyConfigurationError
 from lightning_ddp_amp.launch import selflaunch
-from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
-from lightning_ddp_amp.launch.devices import select_devices
-from lightning_ddp_amp.launch.environment import Topology, read_topology, started_by
+from lightning_ddp_amp.launch.environment import Topology, started_by
 from lightning_ddp_amp.launch.process_group import (
     check_script_group,
     destroy_process_group,
@@ -75,12 +73,6 @@ from lightning_ddp_amp.launch.process_group import (
     started_by_script,
     torch_gaps,
 )
-
-#: Gradient-compression hooks that can be named by a string (e.g. in a YAML config).
-COMM_HOOKS: dict[str, Callable[..., Any]] = {
-    "fp16": default_hooks.fp16_compress_hook,
-    "bf16": default_hooks.bf16_compress_hook,
-}
 
 
 class EnvDDPStrategy(DDPStrategy):
@@ -91,7 +83,7 @@ class EnvDDPStrategy(DDPStrategy):
     variables the same script trains as one process on the default device, with no process group, unless the
     Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then the
     strategy starts the N ranks itself through torchrun, re-running the script with the same arguments
-    (:mod:`lightning_ddp_amp.selflaunch`). A process group the script started itself (a classic script's
+    (:mod:`lightning_ddp_amp.launch.selflaunch`). A process group the script started itself (a classic script's
     ``dist.init_process_group`` before the Trainer) is trained on once its rank, world size and backend are found to
     be the launcher's and envddp's; the script ends it, as it started it.
 
@@ -111,7 +103,7 @@ class EnvDDPStrategy(DDPStrategy):
         timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
             A ``timedelta`` or seconds. A process group the script started keeps the timeout the script gave it.
         find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
-            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp_options.DEVIATIONS` says why not.
+            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
             a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
@@ -124,12 +116,12 @@ class EnvDDPStrategy(DDPStrategy):
         max_restarts: When the strategy starts the ranks itself, how many times torchrun may restart them after a
             failure (``torchrun --max-restarts``); with ``auto_resume`` each restart resumes from the newest
             checkpoint. Under an external launcher, pass ``--max-restarts`` to it instead.
-        auto_resume: Survive crashes and preemption (see :mod:`lightning_ddp_amp.pytorch_lightning.resume`): every fit starts from
+        auto_resume: Survive crashes and preemption (see :mod:`lightning_ddp_amp.pytorch_lightning.ddp.resume`): every fit starts from
             the newest checkpoint of the ``ModelCheckpoint`` directory, and SIGTERM saves one before exiting.
         ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
             (``apex.parallel.DistributedDataParallel``, as apex-era scripts used; ``**ddp_kwargs`` then go to it).
         split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks; one
-            process trains the same global batches as several (see :mod:`lightning_ddp_amp.pytorch_lightning.data`).
+            process trains the same global batches as several (see :mod:`lightning_ddp_amp.pytorch_lightning.ddp.data`).
         exact_eval: Shard validation and test sets without padding duplicates, so every sample is evaluated once
             and epoch-level metrics equal a single-process run. Log eval metrics per epoch (Lightning's default
             for validation) when this is on: ranks may run one batch more or less than each other.
@@ -148,7 +140,6 @@ class EnvDDPStrategy(DDPStrategy):
     strategy_name = "envddp"
     #: The precision plugin connects (apex: ``amp.initialize``) before the DDP wrap; AmpPrecision asks for this.
     connects_precision_before_wrap = True
-    _topology: Topology  # set with the cluster environment
 
     def __init__(
         self,
@@ -175,7 +166,7 @@ class EnvDDPStrategy(DDPStrategy):
         max_restarts: int = 0,
         **ddp_kwargs: Any,
     ) -> None:
-        # Set by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
+        # Filled by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
         ...
 
     @property
@@ -187,7 +178,8 @@ class EnvDDPStrategy(DDPStrategy):
     @override
     def cluster_environment(self) -> ClusterEnvironment | None:
         """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
-        the Trainer's ``plugins``), else a :class:`LauncherEnvironment` over the launcher's variables.
+        the Trainer's ``plugins``), else a :class:`~lightning_ddp_amp.pytorch_lightning.LauncherEnvironment` over the launcher's
+        variables.
 
         None until one of them is known: that is how the Trainer knows to hand over its plugin.
         """
@@ -195,39 +187,24 @@ class EnvDDPStrategy(DDPStrategy):
 
     @cluster_environment.setter
     def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
-        """Read the topology from ``environment``; the Trainer calls this with a user's plugin or its own choice.
-
-        Lightning's own environments, which the Trainer picks when given none (``is_lightning_default``), read the
-        variables of launchers envddp reads itself: the launcher's variables are read and validated instead
-        (:func:`read_topology`). Any other environment is honoured through its methods (:func:`environment_topology`).
-
-        None (what ``DDPStrategy.__init__`` passes by default) leaves the choice open.
+        """Read the topology from ``environment`` (:meth:`TrainerFlags.set_environment
+        <lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.TrainerFlags.set_environment>`); None leaves the choice open.
 
         Raises:
             LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
-            StrategyConfigurationError: The environment cannot be honoured (see :func:`environment_topology`).
+            StrategyConfigurationError: The environment cannot be honoured (see
+                :func:`~lightning_ddp_amp.pytorch_lightning.launch.cluster_environment.environment_topology`).
         """
         ...
 
-    def _use_launcher_unless_given(self) -> None:
-        # Used outside a Trainer, nothing hands over an environment: read the launcher's variables.
+    @property
+    @override
+    def num_nodes(self) -> int:
         ...
 
-    @property
-    def ddp_options(self) -> dict[str, Any]:
-        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
-        ...
-
-    @property
-    def auto_resume(self) -> bool:
-        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
-        ...
-
-    @property
-    def resumed_from(self) -> Path | None:
-        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
-        ...
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
 
     @property
     @override
@@ -242,15 +219,6 @@ class EnvDDPStrategy(DDPStrategy):
         node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
         ...
 
-    @property
-    @override
-    def num_nodes(self) -> int:
-        ...
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
-
     def check_trainer_flags(
         self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
     ) -> None:
@@ -264,22 +232,8 @@ class EnvDDPStrategy(DDPStrategy):
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
-                precision plugin cannot train with (:meth:`_check_precision_plugin`).
+                precision plugin cannot train with (:func:`~lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.check_precision_plugin`).
         """
-        ...
-
-    def _check_precision_plugin(self) -> None:
-        """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
-
-        Raises:
-            StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
-                out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
-                compression hook on a model whose gradients are already half precision.
-        """
-        ...
-
-    def _requested_devices(self, devices: list[int] | str | int) -> list[torch.device] | None:
-        """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
         ...
 
     def start_missing_ranks(self) -> None:
@@ -304,16 +258,6 @@ class EnvDDPStrategy(DDPStrategy):
         # interface of Lightning's (private) _Launcher without deriving from it.
         ...
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.pytorch_lightning.resume.AtomicCheckpointIO`)."""
-        ...
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        ...
-
     @override
     def setup_distributed(self) -> None:
         ...
@@ -322,13 +266,35 @@ class EnvDDPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         ...
 
+    @property
+    def ddp_options(self) -> dict[str, Any]:
+        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
+        defaults (:data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        ...
+
+    @override
+    def configure_ddp(self) -> None:
+        ...
+
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         ...
 
     @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
+        ...
+
+    @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
+        ...
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        ...
+
+    def _route_sampler_injection(self, trainer: Any) -> None:
         ...
 
     @override
@@ -348,6 +314,38 @@ class EnvDDPStrategy(DDPStrategy):
         ...
 
     @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
+
+        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
+        divide two such averages (sum of values / number of samples), so with the uneven shards of
+        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
+        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
+        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
+        """
+        ...
+
+    @property
+    def auto_resume(self) -> bool:
+        """``EnvDDPStrategy(auto_resume=...)``: whether each fit resumes from the newest checkpoint."""
+        ...
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint ``auto_resume`` continued the current fit from; None for a fresh start."""
+        ...
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's checkpoint format, written atomically (:class:`~lightning_ddp_amp.pytorch_lightning.ddp.resume.AtomicCheckpointIO`)."""
+        ...
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        ...
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Which samples a mid-epoch position names depends on the number of ranks, also for DataLoaders that record
         # no layout of their own (check_resumed_positions).
@@ -361,55 +359,10 @@ class EnvDDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         ...
 
-    @override
-    def configure_ddp(self) -> None:
-        ...
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
-        ...
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        ...
-
-    @override
-    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
-
-        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
-        divide two such averages (sum of values / number of samples), so with the uneven shards of
-        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
-        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
-        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
-        """
-        ...
-
-    def _check_comm_hook(self, backend: str) -> None:
-        ...
-
-    def _route_sampler_injection(self, trainer: Any) -> None:
-        ...
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _lightning.StrategyRegistryType) -> None:
         ...
-
-
-def _master_weights(plugin: Precision) -> bool:
-    # Asked of any precision plugin, not only AmpPrecision (which keeps fp32 master weights under apex O2).
-    ...
-
-
-def _compression_dtype(hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None) -> torch.dtype | None:
-    """The dtype torch's compression hook or wrapper casts gradients to; None for any other hook."""
-    ...
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    ...
 
 
 _LOGGED: set[str] = set()
@@ -417,10 +370,6 @@ _LOGGED: set[str] = set()
 
 def _log_once(message: str, warn: bool = False) -> None:
     """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
-    ...
-
-
-def _resolve_comm_hook(hook: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
     ...
 
 

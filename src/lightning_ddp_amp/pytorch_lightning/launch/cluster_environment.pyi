@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from lightning_fabric.plugins.environments.cluster_environment import ClusterEnvironment
-from lightning_fabric.plugins.environments.kubeflow import KubeflowEnvironment
-from lightning_fabric.plugins.environments.lightning import LightningEnvironment
-from lightning_fabric.plugins.environments.lsf import LSFEnvironment
-from lightning_fabric.plugins.environments.mpi import MPIEnvironment
-from lightning_fabric.plugins.environments.slurm import SLURMEnvironment
-from lightning_fabric.plugins.environments.torchelastic import TorchElasticEnvironment
+from lightning_fabric.plugins.environments import (
+    ClusterEnvironment,
+    KubeflowEnvironment,
+    LightningEnvironment,
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from typing_extensions import override
 
 from lightning_ddp_amp.errors import LauncherEnvironmentError, StrategyConfigurationError

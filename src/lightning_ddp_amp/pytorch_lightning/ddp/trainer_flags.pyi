@@ -1,4 +1,4 @@
-# Generated from ../trainer_flags.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+# Generated from ../../ddp/trainer_flags.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
 """What the Trainer says about the run, checked against what the launcher started: envddp's negotiation.
 
 The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its own pick), its devices
@@ -21,10 +21,10 @@ from lightning_fabric.plugins import ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
 from pytorch_lightning.plugins.precision import Precision
 
-from lightning_ddp_amp.pytorch_lightning.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
-from lightning_ddp_amp.ddp_options import DDPOptions, compression_dtype
-from lightning_ddp_amp.devices import select_devices
-from lightning_ddp_amp.environment import Topology, read_topology
+from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
+from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
+from lightning_ddp_amp.launch.devices import select_devices
+from lightning_ddp_amp.launch.environment import Topology, read_topology
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 
 
