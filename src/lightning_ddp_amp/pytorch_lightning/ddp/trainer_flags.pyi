@@ -21,11 +21,11 @@ from lightning_fabric.plugins import ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
 from pytorch_lightning.plugins.precision import Precision
 
-from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
+from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.launch.devices import select_devices
 from lightning_ddp_amp.launch.environment import Topology, read_topology
-from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 
 
 class TrainerFlags:
