@@ -51,7 +51,7 @@ MUTATIONS = (
     Mutation(
         "o2-masters-not-saved",
         "checkpoints under apex O2 leave out the fp32 master weights, so a resume restarts them from the fp16 weights",
-        "apex_amp.py",
+        "amp/apex_amp.py",
         '        if self.keeps_master_weights:\n            state["master_weights"] = self.master_weight_values()\n',
         "",
         ("tests/test_precision.py::test_o2_resume_restores_the_fp32_master_weights_not_their_fp16_copies",),
@@ -59,7 +59,7 @@ MUTATIONS = (
     Mutation(
         "o2-masters-built-lazily",
         "apex O2's masters are left to apex's first backward, so optimizer state restored before it lands on fp16",
-        "apex_amp.py",
+        "amp/apex_amp.py",
         "            if callable(lazy_init):\n                lazy_init()\n",
         "",
         ("tests/test_precision.py::test_o2_momentum_restored_from_a_checkpoint_is_fp32_on_the_master_weights",),
@@ -67,7 +67,7 @@ MUTATIONS = (
     Mutation(
         "o2-as-o3-for-ddp",
         "the DDP options are chosen as if apex O2 kept no masters: bucket views, which apex's zero_grad cannot detach",
-        "apex_amp.py",
+        "amp/apex_amp.py",
         '    def master_weights(cls, settings: AmpSettings) -> bool:\n        return settings.opt_level == "O2"\n',
         "    def master_weights(cls, settings: AmpSettings) -> bool:\n        return False\n",
         ("tests/test_ddp_under_amp.py::test_gradients_are_bucket_views_unless_apex_keeps_master_weights",),
@@ -76,7 +76,7 @@ MUTATIONS = (
     Mutation(
         "ddp-kwargs-not-passed",
         "configure_ddp wraps the model without the options the strategy computed (DDP gets torch's defaults)",
-        "strategy.py",
+        "ddp/strategy.py",
         "        self._ddp_kwargs = self.ddp_options\n",
         "        self._ddp_kwargs = {}\n",
         ("tests/test_ddp_under_amp.py::test_gradients_are_bucket_views_unless_apex_keeps_master_weights",),
@@ -84,7 +84,7 @@ MUTATIONS = (
     Mutation(
         "ddp-user-kwargs-dropped",
         "DDP arguments given through **ddp_kwargs (static_graph, bucket_cap_mb, ...) never reach the wrapper",
-        "ddp_options.py",
+        "ddp/ddp_options.py",
         "        return {**changed, **self.extra}\n",
         "        return changed\n",
         ("tests/test_strategy.py::test_only_changed_ddp_options_are_passed_on",),
@@ -93,7 +93,7 @@ MUTATIONS = (
     Mutation(
         "layout-check-skipped",
         "a mid-epoch position saved with another data set, seed or order is continued instead of refused",
-        "data.py",
+        "ddp/data.py",
         '        if "world_size" not in saved or differences:\n',
         '        if "world_size" not in saved:\n',
         ("tests/test_resume.py::test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_value",),
@@ -101,7 +101,7 @@ MUTATIONS = (
     Mutation(
         "elastic-pad-from-rest",
         "the rest of a resumed epoch is padded with its own first samples, not the epoch's as DistributedSampler pads",
-        "data.py",
+        "ddp/data.py",
         "        rest += order[: num_replicas - len(rest) % num_replicas]\n",
         "        rest += rest[: num_replicas - len(rest) % num_replicas]\n",
         (
@@ -113,7 +113,7 @@ MUTATIONS = (
     Mutation(
         "checkpoint-written-in-place",
         "the checkpoint is written straight over the target: a save that fails halfway destroys the previous one",
-        "resume.py",
+        "ddp/resume.py",
         '        temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")\n'
         "        # Created as open() creates files, 0o666 less the umask (tempfile.mkstemp would give 0o600).\n"
         '        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)\n',
@@ -124,7 +124,7 @@ MUTATIONS = (
     Mutation(
         "checkpoint-not-fsynced",
         "the os.fsync before the rename is gone: a power loss after it can leave an empty file under the name",
-        "resume.py",
+        "ddp/resume.py",
         "                file.flush()\n                os.fsync(file.fileno())\n",
         "                file.flush()\n",
         ("tests/test_resume.py::test_the_whole_checkpoint_reaches_the_disk_before_it_is_renamed_into_place",),
@@ -133,7 +133,7 @@ MUTATIONS = (
     Mutation(
         "preempted-rank-exits-0",
         "a rank that saved on SIGTERM raises Lightning's SIGTERMException bare, so it exits 0 instead of 143",
-        "resume.py",
+        "ddp/resume.py",
         "            raise SIGTERMException(128 + signum)\n",
         "            raise SIGTERMException()\n",
         ("tests/test_resume.py::test_a_sigterm_during_training_saves_a_checkpoint_and_exits_128_plus_the_signal",),
@@ -141,7 +141,7 @@ MUTATIONS = (
     Mutation(
         "selflaunch-signal-status",
         "a self-launch whose rank was killed by a signal exits with torchrun's negative code (-9: 247), not 137",
-        "selflaunch.py",
+        "launch/selflaunch.py",
         "        status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode\n",
         "        status = failure.exitcode\n",
         ("tests/test_selflaunch.py::test_a_rank_killed_by_a_signal_makes_the_self_launch_exit_128_plus_the_signal",),
@@ -150,7 +150,7 @@ MUTATIONS = (
     Mutation(
         "compare-apart-exits-0",
         "compare exits 0 when a candidate is apart and none failed",
-        "compare_report.py",
+        "compare/report.py",
         '    return 1 if statuses & {"apart", "failed"} else 0\n',
         '    return 1 if "failed" in statuses else 0\n',
         ("tests/test_compare.py::test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1",),
@@ -158,7 +158,7 @@ MUTATIONS = (
     Mutation(
         "compare-loss-tolerance-flipped",
         "the final loss is apart when it is within the tolerance, and close beyond it",
-        "compare_report.py",
+        "compare/report.py",
         "    if final is None or not math.isfinite(final) or final > tolerance.loss:\n",
         "    if final is None or not math.isfinite(final) or final < tolerance.loss:\n",
         ("tests/test_compare.py::test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both",),
@@ -166,7 +166,7 @@ MUTATIONS = (
     Mutation(
         "compare-batch-hash-unchecked",
         "runs whose first training batch differs are compared anyway (the report reads a key the record lacks)",
-        "compare_report.py",
+        "compare/report.py",
         '            if ours["batch_hash"] != theirs["batch_hash"]:\n',
         '            if ours.get("batch") != theirs.get("batch"):\n',
         ("tests/test_compare.py::test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_the_fix",),
@@ -174,7 +174,7 @@ MUTATIONS = (
     Mutation(
         "recorder-empty-batch-hash",
         "the recorder writes the hash of nothing as the first batch's, so every run seems to start alike",
-        "compare_recorder.py",
+        "compare/recorder.py",
         "    return _hash_tensors(dict(enumerate(_tensors(batch))))\n",
         "    return _hash_tensors({})\n",
         ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_first_batch_its_run_trained",),
@@ -183,7 +183,7 @@ MUTATIONS = (
     Mutation(
         "reduce-integer-mean-float64",
         "the mean of an integer tensor is float64, which apex O1 refuses to divide a float32 sum by",
-        "strategy.py",
+        "ddp/strategy.py",
         "            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)\n",
         "            return total.to(torch.float64) / dist.get_world_size(group)\n",
         ("tests/test_strategy.py::test_reduce_keeps_floats_in_their_dtype_and_averages_integers_in_the_default_one",),
@@ -191,7 +191,7 @@ MUTATIONS = (
     Mutation(
         "reduce-float32-mean-float64",
         "float tensors are reduced in float64 for accuracy and come back float64",
-        "strategy.py",
+        "ddp/strategy.py",
         "        return super().reduce(tensor, group, reduce_op)\n",
         "        return super().reduce(tensor.double() if isinstance(tensor, Tensor) else tensor, group, reduce_op)\n",
         ("tests/test_strategy.py::test_reduce_keeps_floats_in_their_dtype_and_averages_integers_in_the_default_one",),
@@ -200,7 +200,7 @@ MUTATIONS = (
     Mutation(
         "local-rank-from-rank",
         "LOCAL_RANK is read from RANK: on the second node every rank is out of range or on the wrong GPU",
-        "environment.py",
+        "launch/environment.py",
         '    local_rank = _read_int(env, "LOCAL_RANK", minimum=0, below=below)\n',
         '    local_rank = _read_int(env, "RANK", minimum=0, below=below)\n',
         ("tests/test_environment.py::test_second_node_of_a_two_node_torchrun_job",),
@@ -208,7 +208,7 @@ MUTATIONS = (
     Mutation(
         "group-timeout-ignored",
         "the process group gets torch's 30-minute timeout, not EnvDDPStrategy(timeout=...): a hung peer hangs the job",
-        "process_group.py",
+        "launch/process_group.py",
         "world_size=topology.world_size, timeout=timeout, **binding\n",
         "world_size=topology.world_size, **binding\n",
         ("tests/test_strategy.py::test_the_process_group_and_its_store_get_the_strategys_timeout",),
@@ -216,7 +216,7 @@ MUTATIONS = (
     Mutation(
         "evaluation-initializes-apex",
         "trainer.validate after trainer.fit calls amp.initialize again, which apex allows once per process",
-        "precision.py",
+        "amp/precision.py",
         "        if not optimizers or _trainer_fn(model) not in (None, TrainerFn.FITTING):\n",
         "        if not optimizers:\n",
         (
@@ -227,7 +227,7 @@ MUTATIONS = (
     Mutation(
         "native-clips-scaled-gradients",
         "native AMP does not unscale before the clipping and the before-step hooks, which see gradients x65536",
-        "precision.py",
+        "amp/precision.py",
         "        self.amp_backend.unscale(optimizer)\n        _lightning.after_closure(self, model, optimizer)\n",
         "        _lightning.after_closure(self, model, optimizer)\n",
         ("tests/test_precision.py::test_native_gradient_clipping_clips_the_unscaled_gradients",),
@@ -235,7 +235,7 @@ MUTATIONS = (
     Mutation(
         "resumed-epoch-not-set",
         "a run resumed from the end of an epoch reads its next epoch in the finished epoch's order",
-        "data.py",
+        "ddp/data.py",
         "            if self._sampler is not None:\n                self._sampler.set_epoch(epoch + 1)\n",
         "",
         ("tests/test_resume.py::test_an_end_of_epoch_position_resumes_in_any_layout",),
@@ -243,7 +243,7 @@ MUTATIONS = (
     Mutation(
         "split-batches-not-split",
         "split_batches gives every rank the whole global batch: each step trains world-size times the batch",
-        "data.py",
+        "ddp/data.py",
         "    return global_batch // num_replicas\n",
         "    return global_batch\n",
         ("tests/test_data.py::test_split_batches_divides_the_global_batch",),
