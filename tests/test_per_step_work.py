@@ -20,6 +20,9 @@ DOCUMENTED = {
     # Lightning asks the strategy for its device and ranks (cached properties, no computation).
     "strategy.EnvDDPStrategy.parallel_devices",
     "strategy.EnvDDPStrategy.cluster_environment",
+    # ... which hand over to the negotiated flags' cached values.
+    "trainer_flags.TrainerFlags.devices",
+    "trainer_flags.TrainerFlags.environment",
     "cluster_environment.LauncherEnvironment.local_rank",
     "cluster_environment.LauncherEnvironment.global_rank",
     "cluster_environment.LauncherEnvironment.world_size",
