@@ -79,6 +79,18 @@ def run_forked(preloaded: Preloaded, out: Path, *args: str) -> Ranks:
     ).check()
 
 
+def crash_and_restart(preloaded: Preloaded, out: Path, *args: str) -> Ranks:
+    """What torchrun --max-restarts=1 does after a rank's crash, on forked ranks: the first attempt fails (a rank
+    kills itself, the others are ended), the second starts with TORCHELASTIC_RESTART_COUNT=1. For the tests of what
+    a restart restores; what the agent does is test_a_killed_rank_restarts_under_torchrun's."""
+    out.mkdir(parents=True, exist_ok=True)
+    first = preloaded.run(SCRIPT, "--out", str(out), *args, log=out / "logs" / "attempt0")
+    assert first.returncode != 0, first.stdout[-4000:]
+    port = free_port()
+    restarted = [{**launcher_variables(rank, port), "TORCHELASTIC_RESTART_COUNT": "1"} for rank in (0, 1)]
+    return preloaded.run(SCRIPT, "--out", str(out), *args, log=out / "logs" / "attempt1", env=restarted).check()
+
+
 def run_plain(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`python train_faults.py ...` with no launcher: with --devices 2 the strategy starts the ranks itself."""
     out.mkdir(parents=True, exist_ok=True)
@@ -139,34 +151,42 @@ def uninterrupted(preloaded: Preloaded, runs: Path) -> Path:
 # --- a rank dies under torchrun --max-restarts ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("every", "kill_rank", "kill_at", "resumed_at"),
-    [(3, 1, 10, 9), (4, 0, 17, 16)],
-    ids=["mid-epoch", "epoch-boundary"],
-)
-def test_a_killed_rank_restarts_and_ends_with_the_uninterrupted_weights(
-    torchrun: Torchrun, uninterrupted: Path, runs: Path, every: int, kill_rank: int, kill_at: int, resumed_at: int
+def test_a_killed_rank_restarts_under_torchrun_and_ends_with_the_uninterrupted_weights(
+    torchrun: Torchrun, uninterrupted: Path, runs: Path
 ) -> None:
-    out = runs / f"killed-at-{kill_at}"
-    args = ("--every", str(every), "--auto-resume", "--kill-rank", str(kill_rank), "--kill-at-step", str(kill_at))
+    out = runs / "killed-at-10"
+    args = ("--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "10")
     result = run(torchrun, out, *args, extra=["--max-restarts=1"])
     assert f"auto_resume continues from {out / 'checkpoints'}" in result.stdout
     for rank in (0, 1):
-        assert (report(out, rank)["attempt"], report(out, rank)["started_at_step"]) == (1, resumed_at)
+        assert (report(out, rank)["attempt"], report(out, rank)["started_at_step"]) == (1, 9)
         assert report(out, rank)["global_step"] == STEPS
     assert max_abs_difference(weights(uninterrupted), weights(out)) <= 1e-6
-    print(f"steps lost to the crash at step {kill_at}: {kill_at - resumed_at} (checkpoint every {every} steps)")
+    print("steps lost to the crash at step 10: 1 (checkpoint every 3 steps)")
+
+
+def test_a_crash_after_an_epoch_boundary_checkpoint_resumes_at_the_epochs_start(
+    preloaded: Preloaded, uninterrupted: Path, runs: Path
+) -> None:
+    out = runs / "killed-at-17"
+    restarted = crash_and_restart(
+        preloaded, out, "--every", "4", "--auto-resume", "--kill-rank", "0", "--kill-at-step", "17"
+    )
+    assert f"auto_resume continues from {out / 'checkpoints'}" in restarted.stdout
+    for rank in (0, 1):
+        assert (report(out, rank)["attempt"], report(out, rank)["started_at_step"]) == (1, 16)
+        assert report(out, rank)["global_step"] == STEPS
+    assert max_abs_difference(weights(uninterrupted), weights(out)) <= 1e-6
 
 
 @needs_cpu_fp16
-def test_native_fp16_restart_restores_the_loss_scaler(torchrun: Torchrun, preloaded: Preloaded, runs: Path) -> None:
+def test_native_fp16_restart_restores_the_loss_scaler(preloaded: Preloaded, runs: Path) -> None:
     baseline, out = runs / "fp16-uninterrupted", runs / "fp16-killed"
     run_forked(preloaded, baseline, "--precision", "native-fp16")
-    run(
-        torchrun,
+    crash_and_restart(
+        preloaded,
         out,
         *("--precision", "native-fp16", "--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "13"),
-        extra=["--max-restarts=1"],
     )
     assert (report(out)["attempt"], report(out)["started_at_step"]) == (1, 12)
     assert report(out)["precision_state"] == report(baseline)["precision_state"]
@@ -174,15 +194,13 @@ def test_native_fp16_restart_restores_the_loss_scaler(torchrun: Torchrun, preloa
 
 
 @needs_cpu_fp16
-def test_apex_restart_restores_the_amp_state(torchrun: Torchrun, preloaded: Preloaded, runs: Path) -> None:
+def test_apex_restart_restores_the_amp_state(preloaded: Preloaded, runs: Path) -> None:
     baseline, out = runs / "apex-uninterrupted", runs / "apex-killed"
     run_forked(preloaded, baseline, "--precision", "apex-O1")
-    run(
-        torchrun,
+    crash_and_restart(
+        preloaded,
         out,
         *("--precision", "apex-O1", "--every", "3", "--auto-resume", "--kill-rank", "0", "--kill-at-step", "11"),
-        extra=["--max-restarts=1"],
-        apex_double=True,
     )
     assert (report(out)["attempt"], report(out)["started_at_step"]) == (1, 9)
     assert report(out)["precision_state"] == report(baseline)["precision_state"]
@@ -340,15 +358,12 @@ def test_a_preempted_self_launch_exits_128_plus_the_signal_and_ends_with_one_lin
     assert "Traceback" not in result.stdout
 
 
-def test_two_training_loaders_resume_mid_epoch_exactly(torchrun: Torchrun, preloaded: Preloaded, runs: Path) -> None:
+def test_two_training_loaders_resume_mid_epoch_exactly(preloaded: Preloaded, runs: Path) -> None:
     # Lightning's default "max_size_cycle": the shorter loader cycles within the epoch.
     baseline, out = runs / "two-loaders-uninterrupted", runs / "two-loaders-killed"
     run_forked(preloaded, baseline, "--two-loaders")
-    run(
-        torchrun,
-        out,
-        *("--two-loaders", "--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "14"),
-        extra=["--max-restarts=1"],
+    crash_and_restart(
+        preloaded, out, *("--two-loaders", "--every", "3", "--auto-resume", "--kill-rank", "1", "--kill-at-step", "14")
     )
     assert (report(out)["attempt"], report(out)["started_at_step"]) == (1, 12)
     assert max_abs_difference(weights(baseline), weights(out)) <= 1e-6
