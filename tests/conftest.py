@@ -360,16 +360,20 @@ class Preloaded:
         nproc: int = 2,
         timeout: float = 180,
         env: Sequence[dict[str, str]] | None = None,
+        apex_double: bool = True,
     ) -> Ranks:
         """Run ``script *args`` on ``nproc`` ranks of one node; their output goes to ``log``/rank<N>.log.
 
-        Each rank gets torchrun's variables, or, given ``env``, rank N gets ``env[N]`` (another launcher's).
+        Each rank gets torchrun's variables, or, given ``env``, rank N gets ``env[N]`` (another launcher's). Without
+        ``apex_double`` the ranks cannot import apex (the server never imports it), as on a machine without it.
         """
         log.mkdir(parents=True, exist_ok=True)
         request: dict[str, Any] = {"script": str(WORKERS / script), "args": list(args), "nproc": nproc}
         request["port"] = free_port()
         if env is not None:
             request["env"] = list(env)
+        if not apex_double:
+            request["hide"] = [str(DOUBLES)]
         if self.server.poll() is not None:  # closed after an earlier run hung
             self.server = self._start()
         assert self.server.stdin is not None and self.server.stdout is not None

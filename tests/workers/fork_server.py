@@ -7,10 +7,10 @@ a test run often takes 2 s. conftest.Preloaded drives this server.
 The server computes nothing (no thread pool starts), so forking it is safe. It reads one JSON request a line on
 standard input (it says ``{"ready": true}`` first, once its imports are done)::
 
-    {"script": PATH, "args": [...], "nproc": 2, "port": 29500, "log": DIR, "env": [{...}, ...]}
+    {"script": PATH, "args": [...], "nproc": 2, "port": 29500, "log": DIR, "env": [{...}, ...], "hide": [PATH]}
 
 forks ``nproc`` ranks, each with torchrun's variables for one node (RANK, LOCAL_RANK, WORLD_SIZE, ...) or, where
-the request has ``env``, with another launcher's variables from it, and its output in DIR/rank<RANK>.log, runs the script in each as ``__main__``, waits for them, and answers one JSON line
+the request has ``env``, with another launcher's variables from it, and its output in DIR/rank<RANK>.log, takes each path in ``hide`` off ``sys.path`` and PYTHONPATH, runs the script in each as ``__main__``, waits for them, and answers one JSON line
 ``{"returncodes": [...]}``. A rank ends as an interpreter ends (its atexit functions run), with the script's exit
 status; as under torchrun, the first rank to fail ends the others.
 """
@@ -55,6 +55,10 @@ def run_rank(request: dict, rank: int) -> None:
     # Lightning read RANK when the server imported it, before there was one: what it would have read here.
     for module in (lightning_rank_zero, fabric_rank_zero, utilities_rank_zero):
         module.rank_zero_only.rank = rank  # type: ignore[attr-defined]
+    for hidden in request.get("hide", []):  # the apex double, for a run that must not find apex
+        sys.path[:] = [entry for entry in sys.path if entry != hidden]
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        os.environ["PYTHONPATH"] = os.pathsep.join(entry for entry in paths if entry != hidden)
     script = request["script"]
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)
