@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import os
 import pickle
 from collections.abc import Callable, Generator
@@ -29,11 +28,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
@@ -60,15 +59,16 @@ from lightning_ddp_amp.ddp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-from lightning_ddp_amp.ddp.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
+from lightning_ddp_amp.ddp.trainer_flags import TrainerFlags, check_precision_plugin, log_once, master_weights
 from lightning_ddp_amp.errors import StrategyConfigurationError
-from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.environment import Topology, started_by
 from lightning_ddp_amp.launch.process_group import (
+    broadcast_module_states,
     check_script_group,
     destroy_process_group,
     explain_peer_failure,
     init_process_group,
+    resolve_timeout,
     started_by_script,
     torch_gaps,
 )
@@ -190,9 +190,9 @@ class EnvDDPStrategy(DDPStrategy):
             ddp_comm_hook=resolve_comm_hook(ddp_comm_hook),
             ddp_comm_wrapper=ddp_comm_wrapper,
             process_group_backend=process_group_backend,
-            timeout=_resolve_timeout(timeout),
+            timeout=resolve_timeout(timeout),
         )
-        self.timeout = _resolve_timeout(timeout)
+        self.timeout = resolve_timeout(timeout)
         self.split_batches = split_batches
         self.exact_eval = exact_eval
         self._resume = AutoResume(auto_resume)
@@ -273,49 +273,15 @@ class EnvDDPStrategy(DDPStrategy):
         self._flags.check(self.accelerator, devices, num_nodes, use_distributed_sampler, self.exact_eval)
 
     def start_missing_ranks(self) -> None:
-        """No launcher started this process: start one rank per device through torchrun, or train alone.
+        """No launcher started this process: start one rank per device through torchrun, or train alone
+        (:meth:`TrainerFlags.start_missing_ranks <lightning_ddp_amp.ddp.trainer_flags.TrainerFlags.start_missing_ranks>`).
 
-        The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`. The ranks
-        start here rather than in a Lightning launcher when ``fit`` begins: this process becomes torchrun's agent,
-        which supervises and restarts the ranks and never trains (a Lightning launcher runs ``fit`` in the calling
-        process), and the script up to this point runs once more in the agent, so the earlier the better.
-        ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in Lightning). Under a
-        launcher it only logs who started the ranks.
+        The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`.
 
         Raises:
             StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
         """
-        topology = self.topology
-        if topology.launcher != "none":
-            # Who started the ranks is said once, with the process group (setup_distributed).
-            if self.max_restarts:
-                _log_once(
-                    f"EnvDDPStrategy(max_restarts={self.max_restarts}) only applies when envddp starts the ranks"
-                    f" itself; {topology.launcher} started them, so pass the restarts to it (`torchrun"
-                    " --max-restarts=N`).",
-                    warn=True,
-                )
-            return
-        on_cuda = isinstance(self.accelerator, CUDAAccelerator)
-        requested = self._flags.requested
-        count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
-        if count > 1:
-            arguments = selflaunch.plan(count, self.max_restarts)
-            if on_cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-                rank_zero_warn(
-                    "CUDA was used before the Trainer was built: this process only supervises the ranks now, but it"
-                    " keeps its CUDA context (and any tensors) on the GPU for the whole run. Build the Trainer before"
-                    " touching the GPU."
-                )
-            command = " ".join(arguments)
-            rank_zero_info(
-                f"envddp: no launcher variables and {count} devices: starting the ranks as `torchrun {command}`"
-            )
-            selflaunch.launch(arguments)
-        _log_once(
-            f"envddp: no launcher variables, so one process trains on {'cuda' if on_cuda else 'cpu'}"
-            " (Trainer(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
-        )
+        self._flags.start_missing_ranks(self.accelerator, self.max_restarts)
 
     @override
     def _configure_launcher(self) -> None:
@@ -333,7 +299,7 @@ class EnvDDPStrategy(DDPStrategy):
         script_group = started_by_script()
         if not script_group and not self.topology.is_distributed:
             if self.topology.launcher != "none":  # without a launcher, start_missing_ranks said it
-                _log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
+                log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
             return
         backend_given = self._process_group_backend is not None
         self._process_group_backend = self._get_process_group_backend()
@@ -392,7 +358,7 @@ class EnvDDPStrategy(DDPStrategy):
             self.configure_ddp()
         else:
             # No DDP wrapper outside fit: start every rank from rank 0's weights, as DDP's constructor would.
-            _broadcast_module_states(self.model)
+            broadcast_module_states(self.model)
 
     @property
     def ddp_options(self) -> dict[str, Any]:
@@ -406,7 +372,7 @@ class EnvDDPStrategy(DDPStrategy):
         self._ddp_kwargs = self.ddp_options
         if master_weights(self.precision_plugin):
             for name, reason in self._ddp.kept_for_master_weights().items():
-                _log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
+                log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
         self.model = self._setup_model(self.model)
         self._register_ddp_hooks()
 
@@ -585,41 +551,3 @@ class EnvDDPStrategy(DDPStrategy):
             description="envddp with `find_unused_parameters=True`",
             find_unused_parameters=True,
         )
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str, warn: bool = False) -> None:
-    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        (rank_zero_warn if warn else rank_zero_info)(message)
-
-
-def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:
-    if timeout is None:
-        return default_pg_timeout
-    if isinstance(timeout, bool):
-        raise StrategyConfigurationError("timeout", timeout, "it is a bool, not a duration", "e.g. timeout=1800")
-    if not isinstance(timeout, timedelta):
-        try:
-            timeout = timedelta(seconds=float(timeout))
-        except (TypeError, ValueError):
-            raise StrategyConfigurationError(
-                "timeout", timeout, "it is neither a timedelta nor a number of seconds", "e.g. timeout=1800"
-            ) from None
-        except OverflowError:
-            raise StrategyConfigurationError(
-                "timeout", timeout, "it is too large to be a duration", "e.g. timeout=86400 for a day"
-            ) from None
-    if timeout.total_seconds() <= 0:
-        raise StrategyConfigurationError(
-            "timeout", timeout, "it must be positive", "e.g. timeout=1800 (30 minutes, torch's default)"
-        )
-    return timeout
-
-
-def _broadcast_module_states(module: Module) -> None:
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        dist.broadcast(tensor.detach(), src=0)

@@ -5,7 +5,8 @@ The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its o
 ``use_distributed_sampler`` (:meth:`EnvDDPStrategy.check_trainer_flags
 <lightning_ddp_amp.EnvDDPStrategy.check_trainer_flags>`). The launcher has already decided the ranks, the nodes and
 the processes per node. :class:`TrainerFlags` keeps what each side said, picks the device of every local rank, and
-refuses a Trainer argument that contradicts the launcher; :func:`check_precision_plugin` refuses the DDP options the
+refuses a Trainer argument that contradicts the launcher, and starts the ranks no launcher started
+(:meth:`TrainerFlags.start_missing_ranks`); :func:`check_precision_plugin` refuses the DDP options the
 precision plugin cannot train with. ``EnvDDPStrategy`` keeps Lightning's interface (its ``cluster_environment``,
 ``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
 """
@@ -19,9 +20,11 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.launch.devices import select_devices
 from lightning_ddp_amp.launch.environment import Topology, read_topology
@@ -187,6 +190,50 @@ class TrainerFlags:
             self._cuda_indices = [device.index for device in requested]
             self._devices = None
 
+    def start_missing_ranks(self, accelerator: Accelerator | None, max_restarts: int) -> None:
+        """No launcher started this process: start one rank per device through torchrun, or train alone.
+
+        The ranks start when the Trainer is built rather than in a Lightning launcher when ``fit`` begins: this
+        process becomes torchrun's agent, which supervises and restarts the ranks and never trains (a Lightning
+        launcher runs ``fit`` in the calling process), and the script up to this point runs once more in the agent,
+        so the earlier the better. ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in
+        Lightning). Under a launcher it only logs who started the ranks.
+
+        Raises:
+            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
+        """
+        topology = self.topology
+        if topology.launcher != "none":
+            # Who started the ranks is said once, with the process group (setup_distributed).
+            if max_restarts:
+                log_once(
+                    f"EnvDDPStrategy(max_restarts={max_restarts}) only applies when envddp starts the ranks"
+                    f" itself; {topology.launcher} started them, so pass the restarts to it (`torchrun"
+                    " --max-restarts=N`).",
+                    warn=True,
+                )
+            return
+        on_cuda = isinstance(accelerator, CUDAAccelerator)
+        requested = self.requested
+        count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
+        if count > 1:
+            arguments = selflaunch.plan(count, max_restarts)
+            if on_cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                rank_zero_warn(
+                    "CUDA was used before the Trainer was built: this process only supervises the ranks now, but it"
+                    " keeps its CUDA context (and any tensors) on the GPU for the whole run. Build the Trainer before"
+                    " touching the GPU."
+                )
+            command = " ".join(arguments)
+            rank_zero_info(
+                f"envddp: no launcher variables and {count} devices: starting the ranks as `torchrun {command}`"
+            )
+            selflaunch.launch(arguments)
+        log_once(
+            f"envddp: no launcher variables, so one process trains on {'cuda' if on_cuda else 'cpu'}"
+            " (Trainer(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
+        )
+
 
 def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str | int) -> list[torch.device] | None:
     """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
@@ -245,3 +292,13 @@ def master_weights(plugin: Precision) -> bool:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_LOGGED: set[str] = set()
+
+
+def log_once(message: str, warn: bool = False) -> None:
+    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        (rank_zero_warn if warn else rank_zero_info)(message)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import os
 import re
 import signal
@@ -28,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
 
 from lightning_ddp_amp.errors import PeerError, StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.launch.environment import Topology
@@ -316,3 +319,37 @@ def destroy_process_group() -> None:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def resolve_timeout(timeout: timedelta | float | None) -> timedelta:
+    """``EnvDDPStrategy(timeout=...)`` as a ``timedelta``: seconds or a ``timedelta``; None is torch's default.
+
+    Raises:
+        StrategyConfigurationError: ``timeout`` is a bool, not a duration, too large, or not positive.
+    """
+    if timeout is None:
+        return default_pg_timeout
+    if isinstance(timeout, bool):
+        raise StrategyConfigurationError("timeout", timeout, "it is a bool, not a duration", "e.g. timeout=1800")
+    if not isinstance(timeout, timedelta):
+        try:
+            timeout = timedelta(seconds=float(timeout))
+        except (TypeError, ValueError):
+            raise StrategyConfigurationError(
+                "timeout", timeout, "it is neither a timedelta nor a number of seconds", "e.g. timeout=1800"
+            ) from None
+        except OverflowError:
+            raise StrategyConfigurationError(
+                "timeout", timeout, "it is too large to be a duration", "e.g. timeout=86400 for a day"
+            ) from None
+    if timeout.total_seconds() <= 0:
+        raise StrategyConfigurationError(
+            "timeout", timeout, "it must be positive", "e.g. timeout=1800 (30 minutes, torch's default)"
+        )
+    return timeout
+
+
+def broadcast_module_states(module: Module) -> None:
+    """Every rank takes rank 0's parameters and buffers, as DDP's constructor does."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        dist.broadcast(tensor.detach(), src=0)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import os
 import pickle
 from collections.abc import Callable, Generator
@@ -30,11 +29,11 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.utilities.seed import reset_seed
-from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
+from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
@@ -61,15 +60,16 @@ from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-from lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags import TrainerFlags, check_precision_plugin, master_weights
+from lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags import TrainerFlags, check_precision_plugin, log_once, master_weights
 from lightning_ddp_amp.errors import StrategyConfigurationError
-from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.environment import Topology, started_by
 from lightning_ddp_amp.launch.process_group import (
+    broadcast_module_states,
     check_script_group,
     destroy_process_group,
     explain_peer_failure,
     init_process_group,
+    resolve_timeout,
     started_by_script,
     torch_gaps,
 )
@@ -237,14 +237,10 @@ class EnvDDPStrategy(DDPStrategy):
         ...
 
     def start_missing_ranks(self) -> None:
-        """No launcher started this process: start one rank per device through torchrun, or train alone.
+        """No launcher started this process: start one rank per device through torchrun, or train alone
+        (:meth:`TrainerFlags.start_missing_ranks <lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.TrainerFlags.start_missing_ranks>`).
 
-        The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`. The ranks
-        start here rather than in a Lightning launcher when ``fit`` begins: this process becomes torchrun's agent,
-        which supervises and restarts the ranks and never trains (a Lightning launcher runs ``fit`` in the calling
-        process), and the script up to this point runs once more in the agent, so the earlier the better.
-        ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in Lightning). Under a
-        launcher it only logs who started the ranks.
+        The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`.
 
         Raises:
             StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
@@ -363,19 +359,3 @@ class EnvDDPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _lightning.StrategyRegistryType) -> None:
         ...
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str, warn: bool = False) -> None:
-    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
-    ...
-
-
-def _resolve_timeout(timeout: timedelta | float | None) -> timedelta:
-    ...
-
-
-def _broadcast_module_states(module: Module) -> None:
-    ...

@@ -6,7 +6,8 @@ The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its o
 ``use_distributed_sampler`` (:meth:`EnvDDPStrategy.check_trainer_flags
 <lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy.check_trainer_flags>`). The launcher has already decided the ranks, the nodes and
 the processes per node. :class:`TrainerFlags` keeps what each side said, picks the device of every local rank, and
-refuses a Trainer argument that contradicts the launcher; :func:`check_precision_plugin` refuses the DDP options the
+refuses a Trainer argument that contradicts the launcher, and starts the ranks no launcher started
+(:meth:`TrainerFlags.start_missing_ranks`); :func:`check_precision_plugin` refuses the DDP options the
 precision plugin cannot train with. ``EnvDDPStrategy`` keeps Lightning's interface (its ``cluster_environment``,
 ``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
 """
@@ -20,9 +21,11 @@ import torch
 from lightning_fabric.plugins import ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
 from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
+from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.launch.devices import select_devices
 from lightning_ddp_amp.launch.environment import Topology, read_topology
@@ -110,6 +113,20 @@ class TrainerFlags:
         """
         ...
 
+    def start_missing_ranks(self, accelerator: Accelerator | None, max_restarts: int) -> None:
+        """No launcher started this process: start one rank per device through torchrun, or train alone.
+
+        The ranks start when the Trainer is built rather than in a Lightning launcher when ``fit`` begins: this
+        process becomes torchrun's agent, which supervises and restarts the ranks and never trains (a Lightning
+        launcher runs ``fit`` in the calling process), and the script up to this point runs once more in the agent,
+        so the earlier the better. ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in
+        Lightning). Under a launcher it only logs who started the ranks.
+
+        Raises:
+            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
+        """
+        ...
+
 
 def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str | int) -> list[torch.device] | None:
     """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
@@ -138,4 +155,12 @@ def master_weights(plugin: Precision) -> bool:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
+    ...
+
+
+_LOGGED: set[str] = set()
+
+
+def log_once(message: str, warn: bool = False) -> None:
+    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
     ...
