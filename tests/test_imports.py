@@ -48,6 +48,7 @@ LAYERS: list[dict[str, set[str]]] = [
     {"base": {"errors", "_lightning", "_namespaces", "_moved"}},
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
+    {"migrate": {"migrate"}},
     {"public API": {"", "cli", "doctor"}},
     {"compare": {"compare"}},
     {"entry points": {"command", "__main__"}},

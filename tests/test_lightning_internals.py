@@ -418,6 +418,23 @@ def test_saved_loader_states_reads_the_states_lightning_saved_for_stateful_loade
     assert _lightning.saved_loader_states(without["epoch=0-step=2"]) == []
 
 
+def _keys(tree: object) -> object:
+    return {key: _keys(value) for key, value in tree.items()} if isinstance(tree, dict) else None
+
+
+def test_epoch_boundary_loops_have_the_layout_lightning_writes_and_are_read_as_epochs_and_steps_done(
+    tmp_path: Path,
+) -> None:
+    written = _checkpoints_of_one_four_batch_epoch(tmp_path, stateful=False)["end"]
+    loops = _lightning.epoch_boundary_loops(3, 12)
+    assert _keys(loops) == _keys(written["loops"])
+    assert _lightning.version() == written["pytorch-lightning_version"]
+    trainer = L.Trainer(accelerator="cpu", max_epochs=5, logger=False, enable_progress_bar=False)
+    trainer.fit_loop.load_state_dict(loops["fit_loop"])
+    assert (trainer.current_epoch, trainer.global_step) == (3, 12)
+    assert not _lightning.saved_mid_epoch({"loops": loops})
+
+
 def test_is_loader_state_mismatch_recognises_lightnings_error() -> None:
     with pytest.raises(RuntimeError) as raised:
         CombinedLoader(DataLoader(DATASET), "max_size_cycle")._load_state_dicts([{"batches": 2}])

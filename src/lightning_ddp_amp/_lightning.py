@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -307,3 +309,46 @@ def is_loader_state_mismatch(exception: BaseException) -> bool:
     Why: Lightning raises a plain ``RuntimeError`` for it, told apart from others only by its text.
     """
     return isinstance(exception, RuntimeError) and "stateful loaders, but found" in str(exception)
+
+
+def epoch_boundary_loops(epochs: int, global_step: int) -> dict[str, Any]:
+    """The ``"loops"`` entry of a checkpoint saved after ``epochs`` whole epochs and ``global_step`` optimizer steps,
+    from which ``fit`` continues at the start of epoch ``epochs`` (a converted classic checkpoint's).
+
+    Why: the epoch and the step a fit continues at are Lightning's fit loop progress counters, in its undocumented
+    ``"loops"`` format. The entries come from this Lightning's own loops (a Trainer that never runs), so each
+    release gets its own layout; only the counters of epochs, trained batches and optimizer steps are set.
+    """
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the Trainer's "GPU available" lines and tips
+    try:
+        trainer = Trainer(
+            accelerator="cpu", strategy=SingleDeviceStrategy(torch.device("cpu")), plugins=[LightningEnvironment()],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+    finally:
+        quiet.setLevel(level)
+    loops = {
+        name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+    }
+    fit = loops["fit_loop"]
+    counts = {"ready": epochs, "started": epochs, "processed": epochs, "completed": epochs}
+    for part in ("total", "current"):
+        fit["epoch_progress"][part].update(counts)
+    fit["epoch_loop.batch_progress"]["total"].update({name: global_step for name in counts})
+    optimizer = fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    optimizer["step"]["total"].update(ready=global_step, completed=global_step)
+    optimizer["zero_grad"]["total"].update(ready=global_step, started=global_step, completed=global_step)
+    fit["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step  # the step loggers are given
+    return loops
+
+
+def version() -> str:
+    """This Lightning's version, as its checkpoints record it (``"pytorch-lightning_version"``)."""
+    import lightning.pytorch
+
+    return str(lightning.pytorch.__version__)  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--overflow-at-step", type=int, default=-1, help="multiply the loss by inf at this step")
 parser.add_argument("--checkpoint", action="store_true", help="save the last checkpoint to OUT/last.ckpt")
 parser.add_argument("--resume", default=None, help="checkpoint to resume from")
+parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
 args = parser.parse_args()
 out = Path(args.out)
 if args.accelerator == "cuda":
@@ -102,6 +103,13 @@ class TwoModels(L.LightningModule):
     def on_train_start(self) -> None:
         # Runs after Lightning restored the checkpoint (precision state included), before any step.
         self.at_start = {"precision_state": self.trainer.precision_plugin.state_dict(), "global_step": self.global_step}
+        plugin = self.trainer.precision_plugin
+        if self.trainer.is_global_zero and isinstance(plugin, AmpPrecision) and plugin.backend == "apex":
+            from apex import amp
+
+            optimizer = self.trainer.optimizers[0]
+            masters = [p.detach().cpu().clone() for p in amp.master_params(optimizer)]
+            torch.save({"master_params": masters, "optimizer": optimizer.state_dict()}, out / "at_start.pt")
 
     def on_train_end(self) -> None:
         self.param_dtype = str(self.model_a[0].weight.dtype)
@@ -114,7 +122,10 @@ class TwoModels(L.LightningModule):
             self.skipped += 1
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+        adam = args.optimizer == "adam"
+        optimizer = (
+            torch.optim.Adam(self.parameters(), lr=LR / 10) if adam else torch.optim.SGD(self.parameters(), lr=LR)
+        )
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

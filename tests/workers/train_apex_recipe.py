@@ -6,6 +6,10 @@ model, data, loss and schedule are train_amp.py's, and so is the evaluation afte
 rank, the validation set sharded); under O2 every rank checks, as train_amp.py does, that apex steps
 fp32 model parameters (model_a's BatchNorm), and no rank saves if one found none.
 
+With --save-classic, rank 0 also saves, after --save-after epochs, the checkpoint apex's README recommends
+({"model_a": ..., "model_b": ... (DDP's state_dicts: "module." names), "optimizer", "amp", "scheduler", "epoch",
+"step"}) and trains on; --resume-classic continues such a checkpoint as a classic script does (test_migrate.py).
+
 Run under torchrun; rank 0 saves OUT/reference.pt (written atomically: if it exists, it is complete).
 """
 
@@ -26,6 +30,10 @@ parser.add_argument("--ddp-impl", default="torch", choices=["torch", "apex"])
 parser.add_argument("--overflow-at-step", type=int, default=-1, help="multiply the loss by inf at this step")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--cuda", action="store_true", help="NCCL on cuda:LOCAL_RANK instead of gloo on the CPU")
+parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+parser.add_argument("--save-classic", default=None, help="where rank 0 saves the classic checkpoint")
+parser.add_argument("--save-after", type=int, default=1, help="the epochs done when --save-classic saves")
+parser.add_argument("--resume-classic", default=None, help="a classic checkpoint to continue")
 args = parser.parse_args()
 
 rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -44,7 +52,8 @@ else:
 torch.manual_seed(SEED)
 model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()).to(device)
 model_b = torch.nn.Linear(16, 1).to(device)
-optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=LR)
+parameters = list(model_a.parameters()) + list(model_b.parameters())
+optimizer = torch.optim.Adam(parameters, lr=LR / 10) if args.optimizer == "adam" else torch.optim.SGD(parameters, lr=LR)
 
 [model_a, model_b], optimizer = amp.initialize([model_a, model_b], optimizer, opt_level=args.opt_level)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
@@ -67,9 +76,19 @@ def loss_scale() -> float:
     return float(amp.state_dict()["loss_scaler0"]["loss_scale"])
 
 
-step = skipped = 0
+step = skipped = start_epoch = 0
+if args.resume_classic:
+    # apex's README: after amp.initialize, the model, the optimizer and amp load their states (O2's fp32 masters are
+    # built from the fp16 weights at the first backward).
+    classic = torch.load(args.resume_classic, map_location=device, weights_only=False)
+    model_a.load_state_dict(classic["model_a"])
+    model_b.load_state_dict(classic["model_b"])
+    optimizer.load_state_dict(classic["optimizer"])
+    amp.load_state_dict(classic["amp"])
+    scheduler.load_state_dict(classic["scheduler"])
+    start_epoch, step = classic["epoch"], classic["step"]
 hidden_dtypes = set()
-for epoch in range(args.epochs):
+for epoch in range(start_epoch, args.epochs):
     sampler.set_epoch(epoch)
     for x, y, _ in loader:
         x, y = x.to(device), y.to(device)
@@ -89,6 +108,10 @@ for epoch in range(args.epochs):
         else:
             scheduler.step()
         step += 1
+    if args.save_classic and rank == 0 and epoch + 1 == args.save_after:
+        classic = {"model_a": model_a.state_dict(), "model_b": model_b.state_dict()}
+        classic.update(optimizer=optimizer.state_dict(), amp=amp.state_dict(), scheduler=scheduler.state_dict())
+        torch.save({**classic, "epoch": epoch + 1, "step": step}, args.save_classic)
 
 if args.opt_level == "O2":
     # Every rank's count, so that one rank without fp32 model parameters stops rank 0 from saving.

@@ -431,6 +431,12 @@ class AmpPrecision(Precision):
         message = describe_crossing(checkpoint, self)
         if message is not None:
             rank_zero_info(message)
+        state = checkpoint.get(type(self).__qualname__)
+        if isinstance(state, dict) and state.get("rebuild_masters") and self.amp_backend.master_weight_pairs():
+            rank_zero_info(
+                f"{self!r}: the checkpoint was converted from a classic apex O2 one, which holds only the fp16"
+                " weights: the fp32 master weights are rebuilt from them, as apex's own resume does"
+            )
 
     @override
     def teardown(self) -> None:
@@ -508,6 +514,8 @@ def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | No
             "apex O2's fp32 master weights: this checkpoint is older than their copy into its weights, which are"
             " their fp16 roundings (resume it once under apex-O2 and save again to carry them)"
         )
+    elif state.get("rebuild_masters"):
+        carried.append("the weights (a classic apex O2 checkpoint's fp16 weights: it saved no fp32 masters)")
     elif state.get("opt_level") == "O3":
         carried.append("the weights (fp16 under apex O3)")
     else:

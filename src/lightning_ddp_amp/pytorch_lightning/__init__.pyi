@@ -28,6 +28,7 @@ from lightning_ddp_amp.errors import (  # noqa: E402
     TopologyMismatchError,
 )
 from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.migrate import convert_apex_checkpoint  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -44,5 +45,6 @@ __all__ = [
     "StrategyConfigurationError",
     "Topology",
     "TopologyMismatchError",
+    "convert_apex_checkpoint",
     "read_topology",
 ]

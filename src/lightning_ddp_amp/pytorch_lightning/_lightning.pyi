@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as lightning
 import torch
+from lightning_fabric.plugins.environments import LightningEnvironment
 from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
@@ -244,4 +246,20 @@ def is_loader_state_mismatch(exception: BaseException) -> bool:
 
     Why: Lightning raises a plain ``RuntimeError`` for it, told apart from others only by its text.
     """
+    ...
+
+
+def epoch_boundary_loops(epochs: int, global_step: int) -> dict[str, Any]:
+    """The ``"loops"`` entry of a checkpoint saved after ``epochs`` whole epochs and ``global_step`` optimizer steps,
+    from which ``fit`` continues at the start of epoch ``epochs`` (a converted classic checkpoint's).
+
+    Why: the epoch and the step a fit continues at are Lightning's fit loop progress counters, in its undocumented
+    ``"loops"`` format. The entries come from this Lightning's own loops (a Trainer that never runs), so each
+    release gets its own layout; only the counters of epochs, trained batches and optimizer steps are set.
+    """
+    ...
+
+
+def version() -> str:
+    """This Lightning's version, as its checkpoints record it (``"pytorch-lightning_version"``)."""
     ...
