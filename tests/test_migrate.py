@@ -312,3 +312,44 @@ def test_a_lightning_checkpoint_or_a_missing_file_is_refused_with_the_fix(tmp_pa
     path = save(tmp_path, model=weights(OneModel().net), epoch="3")
     with pytest.raises(CheckpointError, match="epoch='3': it must be a whole number"):
         convert_apex_checkpoint(path, OneModel())
+
+
+# --- the migration table's traps, each as a classic/migrated pair ---------------------------------------------
+
+
+def pair_run(preloaded: Preloaded, out: Path, *args: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    preloaded.run("migration_pairs.py", "--out", str(out), *args, log=out / "logs").check()
+    return torch.load(out / "weights.pt"), json.loads((out / "lrs.json").read_text())
+
+
+@pytest.mark.multiprocess
+@needs_cpu_fp16
+def test_accumulation_moves_to_accumulate_grad_batches_and_a_kept_division_divides_twice(
+    preloaded: Preloaded, tmp_path: Path
+) -> None:
+    accumulate = ("--accumulate", "2")
+    classic_weights, _ = pair_run(preloaded, tmp_path / "classic", "--mode", "classic", *accumulate)
+    migrated, _ = pair_run(preloaded, tmp_path / "migrated", "--mode", "lightning", *accumulate)
+    assert max_abs_difference(classic_weights, migrated) == 0.0
+    divided_twice, _ = pair_run(preloaded, tmp_path / "kept", "--mode", "lightning", *accumulate, "--keep-division")
+    assert max_abs_difference(classic_weights, divided_twice) > 1e-3  # trains, on half the gradient
+
+
+@pytest.mark.multiprocess
+@needs_cpu_fp16
+def test_a_per_iteration_warmup_needs_interval_step_or_it_lasts_as_many_epochs(
+    preloaded: Preloaded, tmp_path: Path
+) -> None:
+    warmup = ("--warmup", "6")
+    classic_weights, classic_lrs = pair_run(preloaded, tmp_path / "classic", "--mode", "classic", *warmup)
+    migrated, migrated_lrs = pair_run(preloaded, tmp_path / "migrated", "--mode", "lightning", *warmup)
+    assert (
+        migrated_lrs == classic_lrs and len(classic_lrs) == 16 and classic_lrs[-1] == classic_lrs[-4] > classic_lrs[0]
+    )
+    assert max_abs_difference(classic_weights, migrated) == 0.0
+    per_epoch, per_epoch_lrs = pair_run(
+        preloaded, tmp_path / "epoch", "--mode", "lightning", *warmup, "--interval", "epoch"
+    )
+    assert per_epoch_lrs == [per_epoch_lrs[0]] * 8 + [per_epoch_lrs[8]] * 8  # once an epoch: 2 epochs in, warming up
+    assert per_epoch_lrs[8] < classic_lrs[-1]
+    assert max_abs_difference(classic_weights, per_epoch) > 1e-3

@@ -163,6 +163,32 @@ def test_exact_eval_needs_the_strategy_to_shard() -> None:
         trainer(strategy=EnvDDPStrategy(exact_eval=True), use_distributed_sampler=False)
 
 
+def test_sync_batchnorm_on_cpu_ranks_is_an_error_when_the_trainer_is_built(two_ranks: None) -> None:
+    with pytest.raises(StrategyConfigurationError, match=r"^sync_batchnorm=True: torch's SyncBatchNorm .* 2 CPU ranks"):
+        trainer(strategy="envddp", sync_batchnorm=True)
+    trainer(strategy="envddp")  # without it, these ranks train
+
+
+def test_sync_batchnorm_in_one_cpu_process_trains_on_torchs_fallback_to_batchnorm() -> None:
+    class WithBatchNorm(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+            self.trained_with: set[str] = set()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.trained_with.add(type(self.net[1]).__name__)
+            return self.net(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = WithBatchNorm()
+    t = trainer(strategy="envddp", sync_batchnorm=True, max_steps=2, enable_checkpointing=False)
+    t.fit(module, torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=4))
+    assert module.trained_with == {"SyncBatchNorm"} and t.global_step == 2
+
+
 def test_bf16_compression_on_gloo_is_an_error_before_the_process_group_starts(two_ranks: None) -> None:
     strategy = trainer(strategy=EnvDDPStrategy(ddp_comm_hook="bf16")).strategy
     with pytest.raises(StrategyConfigurationError, match=r"^ddp_comm_hook='bf16': .*needs NCCL.*runs gloo"):

@@ -59,7 +59,13 @@ from lightning_ddp_amp.ddp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-from lightning_ddp_amp.ddp.trainer_flags import TrainerFlags, check_precision_plugin, log_once, master_weights
+from lightning_ddp_amp.ddp.trainer_flags import (
+    TrainerFlags,
+    check_layer_sync,
+    check_precision_plugin,
+    log_once,
+    master_weights,
+)
 from lightning_ddp_amp.errors import StrategyConfigurationError
 from lightning_ddp_amp.launch.environment import Topology, started_by
 from lightning_ddp_amp.launch.process_group import (
@@ -266,11 +272,13 @@ class EnvDDPStrategy(DDPStrategy):
         Raises:
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
-            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
-                precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.trainer_flags.check_precision_plugin`).
+            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, ``sync_batchnorm=True``
+                on CPU ranks, or a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.trainer_flags.check_precision_plugin`).
         """
         check_precision_plugin(self.precision_plugin, self._ddp, self._ddp_comm_hook, self._ddp_comm_wrapper)
         self._flags.check(self.accelerator, devices, num_nodes, use_distributed_sampler, self.exact_eval)
+        ranks = max(self.topology.world_size, len(self._flags.requested or []))
+        check_layer_sync(self._layer_sync, self.accelerator, ranks)
 
     def start_missing_ranks(self) -> None:
         """No launcher started this process: start one rank per device through torchrun, or train alone

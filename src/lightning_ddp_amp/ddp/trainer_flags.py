@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -243,6 +243,23 @@ def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str
     kind = type(accelerator)
     parallel_devices: list[torch.device] = kind.get_parallel_devices(kind.parse_devices(devices))
     return parallel_devices
+
+
+def check_layer_sync(layer_sync: object | None, accelerator: Accelerator | None, ranks: int) -> None:
+    """Refuse ``Trainer(sync_batchnorm=True)`` where torch's SyncBatchNorm cannot run: on CPU ranks.
+
+    Raises:
+        StrategyConfigurationError: ``sync_batchnorm=True`` with several ranks on the CPU.
+    """
+    if layer_sync is not None and ranks > 1 and isinstance(accelerator, CPUAccelerator):
+        raise StrategyConfigurationError(
+            "sync_batchnorm",
+            True,
+            f"torch's SyncBatchNorm synchronizes only GPU tensors (CUDA, XPU, HPU): on {ranks} CPU ranks the first"
+            " training step would fail with 'SyncBatchNorm expected input tensor to be on GPU'",
+            "drop Trainer(sync_batchnorm=True) on the CPU (each rank keeps its own BatchNorm statistics), or train on"
+            " GPUs",
+        )
 
 
 def check_precision_plugin(
