@@ -122,3 +122,16 @@ def test_a_block_that_runs_runs_and_prints_what_the_page_shows(block: Block, out
         printed += result.stdout + result.stderr
     for line in output.text.splitlines() if output else []:
         assert pattern(line).search(printed), f"{output}: {line!r} was not printed by {block}:\n{printed[-3000:]}"
+
+
+def test_no_block_of_several_lines_is_repeated_word_for_word_across_the_pages() -> None:
+    first: dict[str, str] = {}
+    repeated = []
+    for page in PAGES:
+        for block in blocks(page):
+            text = block.text.strip()
+            if len(text.splitlines()) > 1:
+                if text in first:
+                    repeated.append(f"{block} repeats {first[text]}")
+                first.setdefault(text, str(block))
+    assert repeated == []
