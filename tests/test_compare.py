@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import WORKERS, needs_cpu_fp16, worker_env
+from conftest import DOUBLES, WORKERS, needs_cpu_fp16, worker_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -210,6 +210,13 @@ def test_files_go_to_each_candidates_folder_never_to_the_scripts(learning_rates:
         assert list((folder / "checkpoints").glob("*.ckpt")), entry["name"]
         assert (folder / "logs" / "lightning_logs" / "version_0").is_dir(), entry["name"]  # the CSVLogger
         assert (folder / FINAL_WEIGHTS).is_file()
+        # The run's own output, kept as it was shown.
+        assert (
+            f"lightning-ddp-amp compare [{entry['name']}]"
+            in (folder / "stdout.log").read_text() + (folder / "stderr.log").read_text()
+        )
+    crashed = Path(candidate(learning_rates.report, "32-true#4")["directory"])
+    assert "RuntimeError: the model crashed at step 1" in (crashed / "stderr.log").read_text()
 
 
 def test_rank_zero_says_once_what_was_replaced(learning_rates: LearningRates) -> None:
@@ -222,6 +229,13 @@ def test_rank_zero_says_once_what_was_replaced(learning_rates: LearningRates) ->
 
 def test_compare_json_follows_the_documented_schema(learning_rates: LearningRates) -> None:
     assert learning_rates.report["versions"]["torch"] == torch.__version__
+    # The apex the runs imported: the CPU test double, from this repository (no package metadata).
+    assert learning_rates.report["apex"] == {
+        "location": str(DOUBLES / "apex"),
+        "version": "test double",
+        "test_double": True,
+    }
+    assert learning_rates.report["versions"]["apex"] == "test double"
     assert learning_rates.report["command"][:2] == ["lightning-ddp-amp", "compare"]
     assert_matches(learning_rates.report, SCHEMA)
 
@@ -374,10 +388,23 @@ def test_a_self_launched_lightning_cli_script_is_compared_and_only_rank_zero_say
             "PRECISION=['32-true']: compare needs a baseline and at least one candidate",
         ),
         (["32-true", "16-mixed"], "command=None: no training command after `--`"),
-        (["a", "b", "c", "--", "x", "--", "y"], "commands=2: there are 3 precisions"),
-        (["a", "b", "--steps", "0", "--", "x"], "--steps=0: a run needs at least one step"),
-        (["a", "b", "--tolerance", "x", "--", "x"], "--tolerance='x': expected one or two positive numbers"),
-        (["a", "b", "--ckpt", "missing.ckpt", "--", "x"], "--ckpt='missing.ckpt': no such file"),
+        (["32-true", "16-mixed", "bf16-mixed", "--", "x", "--", "y"], "commands=2: there are 3 precisions"),
+        (["32-true", "16-mixed", "--steps", "0", "--", "x"], "--steps=0: a run needs at least one step"),
+        (["32", "bf16", "--tolerance", "x", "--", "x"], "--tolerance='x': expected one or two positive numbers"),
+        (["32-true", "amp-O1", "--ckpt", "missing.ckpt", "--", "x"], "--ckpt='missing.ckpt': no such file"),
+        (["apex-O4", "amp-O1", "--", "python", "t.py"], "PRECISION='apex-O4': apex's opt_levels are O0 to O3"),
+        (
+            ["32-true", "natve-O1", "--", "python", "t.py"],
+            "not a precision compare can run. Fix: did you mean 'native-O1'?",
+        ),
+        (
+            ["32-true", "amp-O1", "python", "train.py", "--lr", "0.1"],
+            "command='python train.py --lr 0.1': the training command must come after `--`",
+        ),
+        (
+            ["32-true", "amp-O1", "--out", "runs/x", "torchrun", "--nproc-per-node=2", "t.py"],
+            "Fix: lightning-ddp-amp compare 32-true amp-O1 --out runs/x -- torchrun --nproc-per-node=2 t.py",
+        ),
     ],
 )
 def test_a_usage_error_names_the_field_the_value_and_the_fix(
@@ -391,11 +418,36 @@ def test_a_usage_error_names_the_field_the_value_and_the_fix(
     assert message in error and ("Fix:" in error)
 
 
-def test_an_out_folder_that_holds_files_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_an_out_folder_that_holds_files_or_is_a_file_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     (tmp_path / "old.ckpt").write_text("")
     with pytest.raises(SystemExit):
-        compare.main(["a", "b", "--out", str(tmp_path), "--", "x"])
+        compare.main(["32-true", "amp-O1", "--out", str(tmp_path), "--", "x"])
     assert f"--out={str(tmp_path)!r}: the folder is not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        compare.main(["32-true", "amp-O1", "--out", str(tmp_path / "old.ckpt"), "--", "x"])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--out={str(tmp_path / 'old.ckpt')!r}: it is a file, not a folder. Fix: name a new or empty folder" in error
+
+
+def test_help_has_examples_every_precision_family_and_the_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        compare.main(["--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert "lightning-ddp-amp compare apex-O1 native-O1 -- torchrun --nproc-per-node=8 train.py" in text
+    for family in ("apex-O0 ... apex-O3", "amp-O0 ... amp-O3", "native-O0 ... native-O3", "any Trainer precision"):
+        assert family in text
+    assert "exit status:" in text and "  2  nothing was compared" in text
+
+
+def test_a_bad_precision_is_refused_before_anything_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        compare.main(["32-true", "apex-O4", "--", "python", "-c", "raise SystemExit(3)"])
+    assert list(tmp_path.iterdir()) == []  # no out folder, no run
 
 
 def test_nothing_of_compare_is_active_outside_it(tmp_path: Path) -> None:
@@ -500,7 +552,9 @@ def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
 def test_an_unreadable_ckpt_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     (tmp_path / "broken.ckpt").write_text("not a checkpoint")
     with pytest.raises(SystemExit):
-        compare.main(["a", "b", "--ckpt", str(tmp_path / "broken.ckpt"), "--out", str(tmp_path / "out"), "--", "x"])
+        compare.main(
+            ["32-true", "amp-O1", "--ckpt", str(tmp_path / "broken.ckpt"), "--out", str(tmp_path / "out"), "--", "x"]
+        )
     error = capsys.readouterr().err
     assert f"--ckpt={str((tmp_path / 'broken.ckpt').resolve())!r}: torch.load cannot read it (" in error
     assert "Fix: pass a checkpoint a Trainer saved" in error

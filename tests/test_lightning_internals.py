@@ -599,3 +599,12 @@ def test_each_launcher_has_every_member_of_lightnings_launcher_interface(launche
             assert [each for each in ours if each in inspect.signature(theirs).parameters] == list(
                 inspect.signature(theirs).parameters
             )
+
+
+def test_precision_values_are_what_the_trainer_accepts() -> None:
+    values = _lightning.precision_values()
+    assert {"32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "32", "16", "bf16"} <= set(values)
+    for value in ("32-true", "bf16-mixed", "64", "bf16"):
+        L.Trainer(accelerator="cpu", precision=value, logger=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="apex-O4"):
+        L.Trainer(accelerator="cpu", precision="apex-O4", logger=False)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import typing
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -352,3 +353,13 @@ def version() -> str:
     import lightning.pytorch
 
     return str(lightning.pytorch.__version__)  # type: ignore[attr-defined]
+
+
+def precision_values() -> tuple[str, ...]:
+    """The strings ``Trainer(precision=...)`` accepts (``"32-true"``, ``"16-mixed"``, ``"bf16"``, ...).
+
+    Why: Lightning lists them only in private ``Literal`` types; ``compare`` checks every name before any run.
+    """
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+
+    return (*typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))

@@ -2,26 +2,60 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: lightning-ddp-amp {env,compare} ...
-
-  env       report the launcher, devices, versions and apex, with fixes (lightning-ddp-amp env --help)
-  compare   train one command under several precisions and report how far apart they land
-            (lightning-ddp-amp compare --help)"""
+#: Every subcommand, with what it does.
+COMMANDS = {
+    "env": "report the launcher, devices, versions and apex, with fixes (lightning-ddp-amp env --help)",
+    "compare": "train one command under several precisions and report how far apart they land\n"
+    "            (lightning-ddp-amp compare --help)",
+}
+USAGE = "usage: lightning-ddp-amp {env,compare} ...   (or --version, --help)\n\n" + "\n".join(
+    f"  {name:<8}  {what}" for name, what in COMMANDS.items()
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Hand the arguments after the subcommand to it; returns the exit status."""
+    """Hand the arguments after the subcommand to it; returns the exit status.
+
+    No arguments, or a word that is no subcommand, prints every subcommand (the nearest one suggested) and returns 2,
+    as a usage error does.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["compare"]:
+    first = argv[0] if argv else None
+    if first in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if first == "--version":
+        print(version())
+        return 0
+    if first == "compare":
         from lightning_ddp_amp import compare
 
         return compare.main(argv[1:])
-    if argv[:1] in (["-h"], ["--help"]):
-        print(USAGE)
-        return 0
-    from lightning_ddp_amp import doctor
+    if first == "env" or (first is not None and first.startswith("--local")):  # torch.distributed.launch's option
+        from lightning_ddp_amp import doctor
 
-    return doctor.main(argv)
+        return doctor.main(argv)
+    if first is None:
+        print(f"lightning-ddp-amp: name a command\n{USAGE}", file=sys.stderr)
+        return 2
+    nearest = difflib.get_close_matches(first, COMMANDS, n=1)
+    hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+    print(f"lightning-ddp-amp: {first!r} is not a command{hint}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def version() -> str:
+    """The package's version, with torch's and Lightning's."""
+    import importlib.metadata
+
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"lightning-ddp-amp {installed('lightning-ddp-amp')} (torch {installed('torch')}, lightning {installed('lightning')})"

@@ -334,6 +334,11 @@ def _backends(problems: list[dict[str, str]]) -> dict[str, Any]:
     return section
 
 
+def apex_report() -> dict[str, Any]:
+    """Where apex is installed and its version, as ``lightning-ddp-amp env`` reports it (its problems left out)."""
+    return _apex([])
+
+
 def _apex(problems: list[dict[str, str]]) -> dict[str, Any]:
     spec = importlib.util.find_spec("apex")
     if spec is None or not spec.submodule_search_locations:

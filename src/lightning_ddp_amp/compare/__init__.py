@@ -24,33 +24,65 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import os
 import re
 import shlex
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO, TextIO
 
+from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.compare import report as compare_report
-from lightning_ddp_amp.compare.recorder import PLAN_VARIABLE, Plan
+from lightning_ddp_amp.compare.recorder import AMP_LEVEL, PLAN_VARIABLE, Plan
 from lightning_ddp_amp.compare.report import Candidate, Tolerance
 
 #: ``--steps``: enough for a loss curve to settle into its trend on most models, short enough to run before a switch.
 DEFAULT_STEPS = 200
+#: Programs that start a training command, recognised when one is given without ``--``.
+LAUNCHERS = ("python", "python3", "torchrun", "srun", "mpirun", "accelerate", "deepspeed", "lightning")
+#: Each run's own output, kept in its folder (and shown as it comes): its standard output and error.
+OUTPUT_FILES = ("stdout.log", "stderr.log")
 #: Where ``sitecustomize`` waits for the script's Lightning import.
 SITE = Path(__file__).parent / "_site"
+
+
+#: ``compare --help``'s closing text: examples, the precisions, the exit statuses.
+EPILOG = """Then `--` and the training command, as you run it (python, torchrun, python -m, a LightningCLI script);
+several commands, each after its own `--`, one per precision.
+
+examples:
+  lightning-ddp-amp compare apex-O1 native-O1 -- torchrun --nproc-per-node=8 train.py
+  lightning-ddp-amp compare 32-true native-O1 bf16-mixed --steps 100 -- python train.py --lr 0.1
+  lightning-ddp-amp compare 32-true 32-true -- python train.py --lr 0.1 -- python train.py --lr 0.11
+
+precisions:
+  apex-O0 ... apex-O3      NVIDIA apex amp at that opt_level
+  amp-O0 ... amp-O3        apex where it can run, else torch's AMP at that level
+  native-O0 ... native-O3  torch's AMP at that level, even where apex is installed
+  any Trainer precision    32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true, ...
+
+exit status:
+  0  every candidate is close to the baseline
+  1  a candidate is apart, or failed
+  2  nothing was compared: a usage error, a baseline that failed, or runs that did not start alike"""
 
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-ddp-amp compare",
         description=__doc__.split("\n")[0].strip("`: ").split(": ", 1)[-1],
-        epilog="Then `--` and the training command, as you run it (python, torchrun, python -m, a LightningCLI"
-        " script); several commands, each after its own `--`, one per precision.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "precisions", nargs="+", metavar="PRECISION", help="Trainer(precision=...) values; the first is the baseline"
+        "precisions",
+        nargs="+",
+        metavar="PRECISION",
+        help="apex-O*, amp-O*, native-O* or a Trainer(precision=...) value; the first is the baseline",
     )
     parser.add_argument(
         "--steps",
@@ -78,7 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, commands = _split_commands(argv)
     command_line = parser()
+    if not commands:
+        _refuse_command_without_separator(options, command_line)
     args = command_line.parse_args(options)
+    for precision in args.precisions:
+        _check_precision(precision, command_line)
     if len(args.precisions) < 2:
         command_line.error(
             f"PRECISION={args.precisions}: compare needs a baseline and at least one candidate. Fix: name two or more precisions, e.g. `compare apex-O1 amp-O1 -- ...`"
@@ -96,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ckpt is not None and not args.ckpt.is_file():
         command_line.error(f"--ckpt={str(args.ckpt)!r}: no such file. Fix: pass the path of a checkpoint file")
     out: Path = args.out or Path(f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and not out.is_dir():
+        command_line.error(f"--out={str(out)!r}: it is a file, not a folder. Fix: name a new or empty folder")
     if out.exists() and any(out.iterdir()):
         command_line.error(
             f"--out={str(out)!r}: the folder is not empty, and its runs' checkpoints could be resumed. Fix: name a new folder"
@@ -113,6 +151,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = compare_report.build(candidates, args.tolerance, steps=args.steps, argv=argv)
     print(compare_report.render(report))
     return compare_report.write(report, out)
+
+
+def _check_precision(name: str, command_line: argparse.ArgumentParser) -> None:
+    """Refuse, before any run starts, a precision no run could start with (exit 2, the nearest name suggested)."""
+    lightning = _lightning.precision_values()
+    if AMP_LEVEL.match(name) or name in lightning:
+        return
+    level = re.fullmatch(r"(apex|amp|native)-O(\d+)", name)
+    if level:
+        command_line.error(
+            f"PRECISION={name!r}: apex's opt_levels are O0 to O3. Fix: name {level.group(1)}-O0 ... {level.group(1)}-O3"
+        )
+    known = [f"{kind}-O{n}" for kind in ("apex", "amp", "native") for n in range(4)] + list(lightning)
+    nearest = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+    command_line.error(
+        f"PRECISION={name!r}: not a precision compare can run. Fix: {hint}Name apex-O0 ... O3, amp-O0 ... O3,"
+        f" native-O0 ... O3 or a Trainer precision ({', '.join(lightning)})"
+    )
+
+
+def _refuse_command_without_separator(options: list[str], command_line: argparse.ArgumentParser) -> None:
+    """A training command given without ``--`` in front: say where it starts and how to write it."""
+    valued = {"--out", "--ckpt", "--steps", "--tolerance"}
+    for index, word in enumerate(options):
+        if index and options[index - 1] in valued:
+            continue  # an option's value, such as a path
+        if word.endswith(".py") or "/" in word or word.split("/")[-1] in LAUNCHERS or word.startswith("python"):
+            before, after = shlex.join(options[:index]), shlex.join(options[index:])
+            command_line.error(
+                f"command={after!r}: the training command must come after `--`, or compare reads it as its own"
+                f" arguments. Fix: lightning-ddp-amp compare {before} -- {after}"
+            )
 
 
 def _split_commands(argv: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -161,8 +232,44 @@ def _run(candidate: Candidate, plan: Plan) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
     env[PLAN_VARIABLE] = str(plan_file)
-    try:
-        return subprocess.run(candidate.command, env=env, check=False).returncode
-    except OSError as error:
-        candidate.error = f"{type(error).__name__}: {error}"
-        return 127
+    env.setdefault("PYTHONUNBUFFERED", "1")  # piped, Python would hold the run's lines back in blocks
+    with (
+        (candidate.directory / OUTPUT_FILES[0]).open("wb") as out,
+        (candidate.directory / OUTPUT_FILES[1]).open("wb") as err,
+    ):
+        try:
+            process = subprocess.Popen(candidate.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as error:
+            candidate.error = f"{type(error).__name__}: {error}"
+            return 127
+        assert process.stdout is not None and process.stderr is not None
+        copies = [
+            threading.Thread(target=_tee, args=(process.stdout, sys.stdout, out), daemon=True),
+            threading.Thread(target=_tee, args=(process.stderr, sys.stderr, err), daemon=True),
+        ]
+        for copy in copies:
+            copy.start()
+        try:
+            returncode = process.wait()
+        except BaseException:  # Ctrl-C: as subprocess.run, the run does not outlive compare
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            for copy in copies:
+                copy.join()
+    return returncode
+
+
+def _tee(source: IO[bytes], terminal: TextIO, kept: IO[bytes]) -> None:
+    """Copy a run's output to the terminal as it comes, and into its folder."""
+    for chunk in iter(lambda: source.read1(65536), b""):  # type: ignore[attr-defined]
+        kept.write(chunk)
+        kept.flush()
+        buffer = getattr(terminal, "buffer", None)
+        if buffer is not None:
+            buffer.write(chunk)
+            buffer.flush()
+        else:
+            terminal.write(chunk.decode(errors="replace"))
+            terminal.flush()

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from lightning_ddp_amp import doctor
 from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, RECORD_FILE, START_WEIGHTS
 
 #: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
@@ -124,6 +125,7 @@ def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv
         "steps": steps,
         "tolerance": dataclasses.asdict(tolerance),
         "versions": _versions(),
+        "apex": _apex(),
         "baseline": baseline.name,
         "comparable": False,
         "problem": None,
@@ -366,12 +368,27 @@ def _percent(value: float | None) -> str:
 
 def _versions() -> dict[str, str | None]:
     found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("lightning", "pytorch-lightning", "lightning-ddp-amp", "apex"):
+    for name in ("lightning", "pytorch-lightning", "lightning-ddp-amp"):
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
+    apex = _apex()
+    found["apex"] = None if apex is None else apex["version"]
     return found
+
+
+def _apex() -> dict[str, Any] | None:
+    """The apex the runs import: where, its version (``"unknown"`` for a build without package metadata, as a
+    source checkout on the path), and whether it is this repository's CPU test double; None without apex."""
+    section = doctor.apex_report()
+    if not section["installed"]:
+        return None
+    return {
+        "location": section["location"],
+        "version": section["version"] or ("test double" if section.get("test_double") else "unknown"),
+        "test_double": bool(section.get("test_double")),
+    }
 
 
 def render(report: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import typing
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -262,4 +263,12 @@ def epoch_boundary_loops(epochs: int, global_step: int) -> dict[str, Any]:
 
 def version() -> str:
     """This Lightning's version, as its checkpoints record it (``"pytorch-lightning_version"``)."""
+    ...
+
+
+def precision_values() -> tuple[str, ...]:
+    """The strings ``Trainer(precision=...)`` accepts (``"32-true"``, ``"16-mixed"``, ``"bf16"``, ...).
+
+    Why: Lightning lists them only in private ``Literal`` types; ``compare`` checks every name before any run.
+    """
     ...

@@ -153,6 +153,11 @@ def _backends(problems: list[dict[str, str]]) -> dict[str, Any]:
     ...
 
 
+def apex_report() -> dict[str, Any]:
+    """Where apex is installed and its version, as ``lightning-ddp-amp env`` reports it (its problems left out)."""
+    ...
+
+
 def _apex(problems: list[dict[str, str]]) -> dict[str, Any]:
     ...
 

@@ -60,7 +60,13 @@ from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-from lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags import TrainerFlags, check_precision_plugin, log_once, master_weights
+from lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags import (
+    TrainerFlags,
+    check_layer_sync,
+    check_precision_plugin,
+    log_once,
+    master_weights,
+)
 from lightning_ddp_amp.errors import StrategyConfigurationError
 from lightning_ddp_amp.launch.environment import Topology, started_by
 from lightning_ddp_amp.launch.process_group import (
@@ -231,8 +237,8 @@ class EnvDDPStrategy(DDPStrategy):
         Raises:
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
-            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, or a DDP option the
-                precision plugin cannot train with (:func:`~lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.check_precision_plugin`).
+            StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, ``sync_batchnorm=True``
+                on CPU ranks, or a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.check_precision_plugin`).
         """
         ...
 

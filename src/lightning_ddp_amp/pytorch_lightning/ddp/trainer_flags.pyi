@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from lightning_fabric.plugins import ClusterEnvironment
-from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator
+from pytorch_lightning.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
@@ -130,6 +130,15 @@ class TrainerFlags:
 
 def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str | int) -> list[torch.device] | None:
     """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
+    ...
+
+
+def check_layer_sync(layer_sync: object | None, accelerator: Accelerator | None, ranks: int) -> None:
+    """Refuse ``Trainer(sync_batchnorm=True)`` where torch's SyncBatchNorm cannot run: on CPU ranks.
+
+    Raises:
+        StrategyConfigurationError: ``sync_batchnorm=True`` with several ranks on the CPU.
+    """
     ...
 
 
