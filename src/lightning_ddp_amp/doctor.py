@@ -32,7 +32,7 @@ from packaging.version import Version
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp import native_amp
-from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES
+from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES, installation
 from lightning_ddp_amp.errors import LightningDDPAmpError
 from lightning_ddp_amp.launch import process_group
 from lightning_ddp_amp.launch.devices import select_devices
@@ -334,21 +334,16 @@ def _backends(problems: list[dict[str, str]]) -> dict[str, Any]:
     return section
 
 
-def apex_report() -> dict[str, Any]:
-    """Where apex is installed and its version, as ``lightning-ddp-amp env`` reports it (its problems left out)."""
-    return _apex([])
-
-
 def _apex(problems: list[dict[str, str]]) -> dict[str, Any]:
-    spec = importlib.util.find_spec("apex")
-    if spec is None or not spec.submodule_search_locations:
+    found = installation()
+    if found is None:
         return {
             "installed": False,
             "note": 'precision="apex-O*" is unavailable; "amp-O*" runs the same O-levels on native torch AMP',
         }
-    root = Path(next(iter(spec.submodule_search_locations)))
-    section: dict[str, Any] = {"installed": True, "location": str(root), "version": _distribution_version("apex")}
-    if spec.origin in (None, "namespace"):
+    root = Path(found["location"])
+    section: dict[str, Any] = {"installed": True, "location": found["location"], "version": found["version"]}
+    if found["namespace"]:
         # A directory named apex without __init__.py, found on the path: typically the folder holding a clone of
         # NVIDIA/apex, when the command runs next to it.
         section["nvidia"] = False
@@ -360,7 +355,7 @@ def _apex(problems: list[dict[str, str]]) -> dict[str, Any]:
             }
         )
         return section
-    if "IS_TEST_DOUBLE = True" in _read(root / "__init__.py"):
+    if found["test_double"]:
         section["test_double"] = True
     if not any((root / sub).is_dir() for sub in ("amp", "parallel", "optimizers", "normalization")):
         section["nvidia"] = False

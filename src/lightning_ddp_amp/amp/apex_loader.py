@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
@@ -32,6 +33,30 @@ def missing_cuda() -> str | None:
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no GPU"
     return None
+
+
+def installation() -> dict[str, Any] | None:
+    """The apex that ``import apex`` would find, without importing it; None when there is none.
+
+    Returns:
+        ``location`` (its folder), ``version`` (its package's; None without package metadata, as for a source
+        checkout on the path), ``namespace`` (a folder without ``__init__.py``: not an installed package) and
+        ``test_double`` (this repository's CPU stand-in for apex, tests/doubles).
+    """
+    spec = importlib.util.find_spec("apex")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    try:
+        version: str | None = importlib.metadata.version("apex")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    try:
+        double = "IS_TEST_DOUBLE = True" in (root / "__init__.py").read_text(errors="replace")
+    except OSError:
+        double = False
+    namespace = spec.origin in (None, "namespace")
+    return {"location": str(root), "version": version, "namespace": namespace, "test_double": double}
 
 
 def find_amp() -> ModuleType | None:

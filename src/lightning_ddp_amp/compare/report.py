@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_ddp_amp import doctor
+from lightning_ddp_amp.amp import apex_loader
 from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, RECORD_FILE, START_WEIGHTS
 
 #: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
@@ -381,14 +381,11 @@ def _versions() -> dict[str, str | None]:
 def _apex() -> dict[str, Any] | None:
     """The apex the runs import: where, its version (``"unknown"`` for a build without package metadata, as a
     source checkout on the path), and whether it is this repository's CPU test double; None without apex."""
-    section = doctor.apex_report()
-    if not section["installed"]:
+    found = apex_loader.installation()
+    if found is None:
         return None
-    return {
-        "location": section["location"],
-        "version": section["version"] or ("test double" if section.get("test_double") else "unknown"),
-        "test_double": bool(section.get("test_double")),
-    }
+    version = found["version"] or ("test double" if found["test_double"] else "unknown")
+    return {"location": found["location"], "version": version, "test_double": found["test_double"]}
 
 
 def render(report: dict[str, Any]) -> str:

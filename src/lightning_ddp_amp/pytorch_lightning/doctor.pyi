@@ -33,7 +33,7 @@ from packaging.version import Version
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.amp import native_amp
-from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES
+from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES, installation
 from lightning_ddp_amp.errors import LightningDDPAmpError
 from lightning_ddp_amp.launch import process_group
 from lightning_ddp_amp.launch.devices import select_devices
@@ -150,11 +150,6 @@ def _distribution_version(name: str) -> str | None:
 
 
 def _backends(problems: list[dict[str, str]]) -> dict[str, Any]:
-    ...
-
-
-def apex_report() -> dict[str, Any]:
-    """Where apex is installed and its version, as ``lightning-ddp-amp env`` reports it (its problems left out)."""
     ...
 
 
