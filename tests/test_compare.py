@@ -124,7 +124,8 @@ def test_a_candidate_apart_exits_1_and_names_the_first_step_it_left_the_toleranc
     report, output = learning_rates.report, learning_rates.result.stdout
     assert learning_rates.result.returncode == 1, output[-3000:]
     same, faster = candidate(report, "32-true#2"), candidate(report, "32-true#3")
-    assert same["status"] == "close" and same["summary"]["weight_distance"] == 0
+    assert same["status"] == "identical" and same["summary"]["weight_distance"] == 0
+    assert "32-true#2: IDENTICAL: the baseline's loss at every step and its final weights, bit for bit" in output
     assert faster["status"] == "apart"
     base = candidate(report, "32-true")["series"]["loss"]
     expected = next(
@@ -289,7 +290,7 @@ def test_failed_candidates_are_named_with_their_error_and_the_others_still_compa
     # The package's own refusal of apex under a strategy that wraps the model before the precision plugin runs.
     assert "apex-O1: FAILED: PrecisionConfigurationError in the script: strategy=" in output
     statuses = [entry["status"] for entry in learning_rates.report["candidates"]]
-    assert statuses == ["baseline", "close", "apart", "failed", "failed", "close"]
+    assert statuses == ["baseline", "identical", "apart", "failed", "failed", "identical"]
 
 
 @pytest.mark.multiprocess
@@ -308,7 +309,11 @@ def test_apex_and_native_amp_are_close_on_the_example_under_torchrun(tmp_path: P
     assert result.returncode == 0, output[-4000:]
     report = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert [entry["ran_as"] for entry in report["candidates"]] == ["apex amp O1", "native amp O1"]
-    assert [entry["status"] for entry in report["candidates"]] == ["baseline", "close"]
+    # The apex double's O1 casts as torch.autocast does on this model: the runs may even be identical.
+    assert report["candidates"][0]["status"] == "baseline" and report["candidates"][1]["status"] in (
+        "identical",
+        "close",
+    )
     for entry in report["candidates"]:
         assert entry["world_size"] == 2 and len(entry["series"]["loss_by_rank"]) == 2
         assert entry["series"]["step"] == list(range(20))
@@ -351,7 +356,7 @@ def test_a_run_torchrun_restarts_records_each_step_once(learning_rates: Learning
     assert "RuntimeError: the model crashed at step 2" in output  # the first attempt did crash
     restarted = candidate(learning_rates.report, "32-true#5")
     assert restarted["restarts"] == 1 and restarted["series"]["step"] == list(range(STEPS))
-    assert restarted["status"] == "close" and restarted["summary"]["weight_distance"] == 0
+    assert restarted["status"] == "identical" and restarted["summary"]["weight_distance"] == 0
     assert any(
         line.startswith("steps") and line.rstrip().endswith(f"{STEPS}, after 1 restart(s)")
         for line in output.splitlines()

@@ -9,8 +9,9 @@ Definitions (``docs/compare.md`` explains how to read them):
   from the baseline's, as a fraction of how far the baseline moved from the common start. It is 1 for a candidate
   that never moved (every step skipped), and about 0.1 for the same precision at a learning rate 10% off. Per
   submodule (the module that holds each parameter) the same ratio uses that submodule's own weights.
-* A candidate is **close** when its final loss is within the loss tolerance of the baseline's and its weight
-  distance within the weight tolerance; otherwise **apart**, with the reason.
+* A candidate is **identical** when it took the baseline's steps with the baseline's loss at each and ended in its
+  weights, bit for bit; else **close** when its final loss is within the loss tolerance of the baseline's and its
+  weight distance within the weight tolerance; otherwise **apart**, with the reason.
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv
         else:
             entry["summary"]["first_step_apart"] = _first_apart(entry, tolerance)
             entry["status"], entry["reason"] = _verdict(entry["summary"], tolerance)
+            if _identical(entry["series"], base_series, weights, base_weights):
+                entry["status"] = "identical"
+                entry["reason"] = "the baseline's loss at every step and its final weights, bit for bit"
             if entry["ran_as"] == entries[0]["ran_as"] and candidate.command == baseline.command:
                 entry["reason"] += (
                     f"; it trained as the baseline did ({entry['ran_as']}), so this compares a run with itself"
@@ -288,6 +292,18 @@ def _summary(
         "peak_memory_bytes": entry_memory,
         "peak_memory_ratio": _ratio(entry_memory, base_entry["peak_memory_bytes"]),
     }
+
+
+def _identical(
+    series: dict[str, Any],
+    base: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    base_weights: dict[str, torch.Tensor],
+) -> bool:
+    """Whether a run trained exactly as the baseline did: the same steps and losses, the same final weights."""
+    if series["step"] != base["step"] or series["loss"] != base["loss"] or weights.keys() != base_weights.keys():
+        return False
+    return all(torch.equal(weights[name], base_weights[name]) for name in weights)
 
 
 def _verdict(summary: dict[str, Any], tolerance: Tolerance) -> tuple[str, str]:
@@ -446,7 +462,7 @@ def render(report: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
     for entry in entries:
-        if entry["status"] in ("close", "apart"):
+        if entry["status"] in ("identical", "close", "apart"):
             lines.append(f"{entry['name']}: {entry['status'].upper()}: {entry['reason']}")
         elif entry["status"] == "failed":
             lines.append(f"{entry['name']}: FAILED: {entry['reason']}")
