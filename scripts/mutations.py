@@ -248,6 +248,23 @@ MUTATIONS = (
         "    return global_batch\n",
         ("tests/test_data.py::test_split_batches_divides_the_global_batch",),
     ),
+    # --- a classic apex checkpoint continued under Lightning --------------------------------------------------------
+    Mutation(
+        "classic-optimizer-state-dropped",
+        "the converted checkpoint leaves out the classic optimizer's state: Adam restarts its moments",
+        "migrate.py",
+        '        "optimizer_states": _listed(classic, OPTIMIZER_KEYS),\n',
+        '        "optimizer_states": [{"state": {}, "param_groups": _listed(classic, OPTIMIZER_KEYS)[0]["param_groups"]}],\n',
+        ("tests/test_migrate.py::test_a_continued_classic_checkpoint_ends_in_the_uninterrupted_runs_weights",),
+    ),
+    Mutation(
+        "classic-step-not-carried",
+        "the converted checkpoint continues at the right epoch but counts its optimizer steps from 0",
+        "_lightning.py",
+        '    optimizer["step"]["total"].update(ready=global_step, completed=global_step)\n',
+        "",
+        ("tests/test_migrate.py", "-k", "carried"),
+    ),
 )
 
 
