@@ -525,6 +525,44 @@ def test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_th
     assert [entry["status"] for entry in report["candidates"]] == ["not compared", "not compared"]
 
 
+def edit_record(run: Candidate, change: Any) -> None:
+    path = run.directory / "record.json"
+    record = json.loads(path.read_text())
+    change(record["ranks"][0])
+    path.write_text(json.dumps(record))
+
+
+def test_a_first_step_apart_right_after_a_skip_in_one_run_says_so_and_names_the_shifted_lr_schedule(
+    learning_rates: LearningRates, tmp_path: Path
+) -> None:
+    # The baseline's LR decays every step; the other run skips step 3 on overflow, so from there its schedule runs a
+    # step behind and its losses leave the tolerance.
+    runs = recorded_copies(learning_rates, tmp_path)
+    schedule = [0.1 * 0.9**step for step in range(STEPS)]
+    edit_record(runs[0], lambda rank: rank.update(lr=schedule))
+
+    def skip_step_3(rank: dict[str, Any]) -> None:
+        rank["skipped"][3] = True
+        rank["lr"] = schedule[:4] + schedule[3:-1]
+        rank["loss"] = rank["loss"][:4] + [loss * 1.5 for loss in rank["loss"][4:]]
+
+    edit_record(runs[1], skip_step_3)
+    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    other = report["candidates"][1]
+    assert other["status"] == "apart" and other["summary"]["first_step_apart"] == 4
+    assert other["summary"]["explanation"] == (
+        "it leaves the tolerance at step 4, after step 3, which this run alone skipped on overflow: a skipped step"
+        " keeps the weights and holds the LR schedule back, so the runs train out of phase from there; its LR"
+        " schedule runs 1 step(s) behind the baseline's"
+    )
+    assert f"; {other['summary']['explanation']}" in other["reason"]
+    # A skip in both runs explains nothing.
+    edit_record(runs[0], lambda rank: rank["skipped"].__setitem__(3, True))
+    again = [Candidate(run.name, run.precision, run.command, run.directory, returncode=0) for run in runs]
+    summary = compare_report.build(again, compare_report.Tolerance(), steps=STEPS, argv=[])["candidates"][1]["summary"]
+    assert summary["first_step_apart"] == 4 and summary["explanation"] is None
+
+
 @pytest.mark.parametrize(
     ("final", "distance", "status"),
     [

@@ -164,7 +164,10 @@ def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv
             entry["status"], entry["reason"] = "baseline", "the baseline"
         else:
             entry["summary"]["first_step_apart"] = _first_apart(entry, tolerance)
+            entry["summary"]["explanation"] = _explain(entry, entries[0])
             entry["status"], entry["reason"] = _verdict(entry["summary"], tolerance)
+            if entry["summary"]["explanation"]:
+                entry["reason"] += f"; {entry['summary']['explanation']}"
             if _identical(entry["series"], base_series, weights, base_weights):
                 entry["status"] = "identical"
                 entry["reason"] = "the baseline's loss at every step and its final weights, bit for bit"
@@ -283,6 +286,7 @@ def _summary(
         "max_relative_loss_difference": max(differences, default=None),
         "mean_relative_loss_difference": _mean(differences) if differences else None,
         "first_step_apart": None,
+        "explanation": None,
         "weight_distance": _distance(list(weights), weights, base_weights, start),
         "submodule_distances": sorted(submodules, key=lambda s: -_order(s["distance"]))[:3],
         "skipped_steps": skipped,
@@ -330,6 +334,45 @@ def _first_apart(entry: dict[str, Any], tolerance: Tolerance) -> int | None:
         if not math.isfinite(difference) or difference > tolerance.loss:
             return int(step)
     return None
+
+
+def _explain(entry: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """Why a run leaves the tolerance where it does, when a step skipped in one run only explains it.
+
+    A step skipped on overflow leaves the weights as they were and holds the LR schedule back one step, so from there
+    the two runs train out of phase: a difference that is not the precision's rounding.
+    """
+    first = entry["summary"]["first_step_apart"]
+    if first is None:
+        return None
+    ours, theirs = set(entry["summary"]["skipped_steps"]), set(base["summary"]["skipped_steps"])
+    alone = sorted(step for step in ours ^ theirs if step < first)
+    if not alone:
+        return None
+    step = alone[-1]
+    who = "this run" if step in ours else "the baseline"
+    said = (
+        f"it leaves the tolerance at step {first}, after step {step}, which {who} alone skipped on overflow: a skipped"
+        " step keeps the weights and holds the LR schedule back, so the runs train out of phase from there"
+    )
+    shift = _lr_shift(entry["series"], base["series"], after=step)
+    if shift:
+        said += f"; its LR schedule runs {abs(shift)} step(s) {'behind' if shift > 0 else 'ahead of'} the baseline's"
+    return said
+
+
+def _lr_shift(series: dict[str, Any], base: dict[str, Any], after: int) -> int:
+    """How many steps this run's LR lags the baseline's after step ``after`` (negative: leads); 0 when it does not,
+    or when the LR does not change there."""
+    ours = {step: lr for step, lr in zip(series["step"], series["lr"], strict=True) if step > after}
+    theirs = dict(zip(base["step"], base["lr"], strict=True))
+    if len(set(ours.values())) < 2:
+        return 0
+    for shift in (1, -1, 2, -2, 3, -3):
+        pairs = [(lr, theirs[step - shift]) for step, lr in ours.items() if step - shift in theirs]
+        if len(pairs) >= 2 and all(a == b for a, b in pairs) and any(ours[s] != theirs.get(s) for s in ours):
+            return shift
+    return 0
 
 
 def _submodule_distances(
