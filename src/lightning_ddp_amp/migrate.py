@@ -86,8 +86,8 @@ def convert_apex_checkpoint(
     level = opt_level or ("O2" if fp16 else "O1")
     if level not in ("O0", "O1", "O2", "O3"):
         raise CheckpointError("opt_level", opt_level, "apex's opt_levels are O0, O1, O2 and O3", "e.g. opt_level='O1'")
-    done = _count(source, classic, "epoch", ("epoch",), epoch)
-    steps = _count(source, classic, "global_step", STEP_KEYS, global_step)
+    done = _count(classic, "epoch", ("epoch",), epoch)
+    steps = _count(classic, "global_step", STEP_KEYS, global_step)
     amp_state: dict[str, Any] = {
         "backend": "apex",
         "opt_level": level,
@@ -227,7 +227,7 @@ def _place(
     return entry  # reported as not fitting, naming its first key
 
 
-def _count(source: Path, classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> int:
+def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> int:
     value = given if given is not None else next((classic[key] for key in keys if key in classic), 0)
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()

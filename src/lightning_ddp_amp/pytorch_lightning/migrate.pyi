@@ -112,7 +112,7 @@ def _place(
     ...
 
 
-def _count(source: Path, classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> int:
+def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> int:
     ...
 
 
