@@ -353,3 +353,23 @@ def test_a_per_iteration_warmup_needs_interval_step_or_it_lasts_as_many_epochs(
     assert per_epoch_lrs == [per_epoch_lrs[0]] * 8 + [per_epoch_lrs[8]] * 8  # once an epoch: 2 epochs in, warming up
     assert per_epoch_lrs[8] < classic_lrs[-1]
     assert max_abs_difference(classic_weights, per_epoch) > 1e-3
+
+
+def test_an_unreadable_file_a_non_dict_and_an_unknown_opt_level_are_refused_with_the_fix(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    with pytest.raises(
+        CheckpointError, match=r"it cannot be read \(.*\)\. Fix: pass the file the classic script saved"
+    ):
+        convert_apex_checkpoint(truncated, OneModel())
+    listed = tmp_path / "listed.pt"
+    torch.save([1, 2], listed)
+    with pytest.raises(
+        CheckpointError, match=r"it holds a list, not the dict a classic script saves\. Fix: save \{'model'"
+    ):
+        convert_apex_checkpoint(listed, OneModel())
+    path = save(tmp_path, model=weights(OneModel().net))
+    with pytest.raises(
+        CheckpointError, match=r"^opt_level='O4': apex's opt_levels are O0, O1, O2 and O3\. Fix: e\.g\."
+    ):
+        convert_apex_checkpoint(path, OneModel(), opt_level="O4")
