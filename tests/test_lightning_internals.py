@@ -608,3 +608,37 @@ def test_precision_values_are_what_the_trainer_accepts() -> None:
         L.Trainer(accelerator="cpu", precision=value, logger=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="apex-O4"):
         L.Trainer(accelerator="cpu", precision="apex-O4", logger=False)  # type: ignore[arg-type]
+
+
+def test_evaluation_metrics_are_what_this_validation_or_test_run_logged_and_not_trainings() -> None:
+    class Logs(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            output = super().training_step(batch, batch_idx)
+            self.log("train_only", 1.0)
+            return output
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_mean", float(batch_idx))  # mean over batches 0..3: 1.5
+            self.log("val_both", 2.0, on_step=True, on_epoch=True)
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("test_sum", 1.0, reduce_fx="sum")
+
+    seen: dict[str, dict[str, float]] = {}
+
+    class Reads(Callback):
+        def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            if not trainer.sanity_checking:
+                seen["validate"] = _lightning.evaluation_metrics(trainer)
+
+        def on_test_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            seen["test"] = _lightning.evaluation_metrics(trainer)
+
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, limit_train_batches=2, limit_val_batches=4, limit_test_batches=3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Reads()],
+    )  # fmt: skip
+    trainer.fit(Logs())
+    trainer.test(Logs(), verbose=False)
+    assert seen["validate"] == {"val_mean": 1.5, "val_both": 2.0, "val_both_epoch": 2.0}
+    assert seen["test"] == {"test_sum": 3.0}

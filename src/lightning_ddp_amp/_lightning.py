@@ -363,3 +363,16 @@ def precision_values() -> tuple[str, ...]:
     from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 
     return (*typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
+
+
+def evaluation_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    """What the script logged in the validation or test run that is ending, by the names ``callback_metrics`` uses.
+
+    Why: ``callback_metrics`` mixes them with training's; only the running evaluation loop's results tell which were
+    logged in this run. Read in ``on_validation_end`` / ``on_test_end``, after Lightning computed (and synced) them.
+    """
+    results = trainer._results
+    if results is None:
+        return {}
+    values = results.metrics(on_step=False)["callback"]
+    return {name: float(value) for name, value in values.items() if value.numel() == 1}

@@ -272,3 +272,12 @@ def precision_values() -> tuple[str, ...]:
     Why: Lightning lists them only in private ``Literal`` types; ``compare`` checks every name before any run.
     """
     ...
+
+
+def evaluation_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    """What the script logged in the validation or test run that is ending, by the names ``callback_metrics`` uses.
+
+    Why: ``callback_metrics`` mixes them with training's; only the running evaluation loop's results tell which were
+    logged in this run. Read in ``on_validation_end`` / ``on_test_end``, after Lightning computed (and synced) them.
+    """
+    ...
