@@ -22,14 +22,16 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import DOUBLES, WORKERS, needs_cpu_fp16, worker_env
+from conftest import CPU_FP16_MISSING, DOUBLES, WORKERS, needs_cpu_fp16, worker_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 import lightning_ddp_amp
 from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfigurationError, compare
+from lightning_ddp_amp.compare import picture as compare_picture
 from lightning_ddp_amp.compare import recorder as compare_recorder
 from lightning_ddp_amp.compare import report as compare_report
+from lightning_ddp_amp.compare import terminal
 from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, PLAN_VARIABLE
 from lightning_ddp_amp.compare.report import Candidate
 
@@ -71,6 +73,13 @@ def candidate(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 def relative(value: float, reference: float) -> float:
     return abs(value - reference) / abs(reference)
+
+
+def block(output: str, name: str) -> list[str]:
+    """The lines of one run's block in compare's terminal report: from ``NAME  STATUS`` to the blank line."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name}  ") and line.split()[0] == name)
+    return lines[start : lines.index("", start)]
 
 
 class LearningRates:
@@ -133,8 +142,9 @@ def test_a_candidate_apart_exits_1_and_names_the_first_step_it_left_the_toleranc
     )
     assert faster["summary"]["first_step_apart"] == expected
     assert "32-true#3: APART: " in output
-    (row,) = (line.split() for line in output.splitlines() if line.startswith("first step apart"))
-    assert row[3:] == ["-", "-", str(expected), "-"]  # the compared runs' columns: 32-true, #2, #3 and #5
+    assert f"  first step apart  {expected}" in block(output, "32-true#3")
+    for name in ("32-true", "32-true#2", "32-true#5"):  # the baseline, and runs that never left the tolerance
+        assert not any(line.startswith("  first step apart") for line in block(output, name)), name
 
 
 def test_each_record_holds_the_hash_of_the_first_batch_its_run_trained(learning_rates: LearningRates) -> None:
@@ -152,6 +162,29 @@ def test_each_record_holds_the_hash_of_the_first_batch_its_run_trained(learning_
     for entry in learning_rates.compared:
         record = json.loads((Path(entry["directory"]) / "record.json").read_text())
         assert [rank["batch_hash"] for rank in record["ranks"]] == [digest.hexdigest()], entry["name"]
+
+
+def test_each_record_holds_the_hash_of_the_weights_its_run_started_from(learning_rates: LearningRates) -> None:
+    # The recorder's side of the same-start check (the report's side: a hand-edited record, below): the model as the
+    # script builds it, seeded; unseeded, it would be another model.
+    sys.path.insert(0, str(WORKERS))
+    try:
+        from compare_train import build
+    finally:
+        sys.path.remove(str(WORKERS))
+
+    def sha256(state: dict[str, torch.Tensor]) -> str:
+        digest = hashlib.sha256()  # names, dtypes, shapes, then the bytes, tensor by tensor
+        for name, tensor in state.items():
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    seeded = sha256(build(0.1)[0].state_dict())
+    assert sha256(build(0.1, seeded=False)[0].state_dict()) != seeded
+    for entry in learning_rates.compared:
+        record = json.loads((Path(entry["directory"]) / "record.json").read_text())
+        assert [rank["weights_hash"] for rank in record["ranks"]] == [seeded], entry["name"]
 
 
 def test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1(
@@ -241,21 +274,41 @@ def test_compare_json_follows_the_documented_schema(learning_rates: LearningRate
     assert_matches(learning_rates.report, SCHEMA)
 
 
-def test_the_picture_has_four_titled_panels_whose_series_equal_the_json(learning_rates: LearningRates) -> None:
+def test_the_picture_has_eight_titled_panels_whose_series_equal_the_json_under_a_title_saying_what_ran_where(
+    learning_rates: LearningRates,
+) -> None:
     image = pytest.importorskip("matplotlib.image", reason="the [compare] extra is not installed (make test has it)")
 
     picture = image.imread(learning_rates.out / "compare.png")
-    assert picture.shape[:2] == (800, 1200)
-    figure = compare_report.plot(learning_rates.report, learning_rates.cwd / "again.png")
-    assert [axis.get_title() for axis in figure.axes] == [title for title, _ in compare_report.PANELS]
-    for axis, (_, key) in zip(figure.axes, compare_report.PANELS, strict=True):
+    assert picture.shape[:2] == (1280, 1120)
+    report = learning_rates.report
+    figure = compare_picture.plot(report, learning_rates.cwd / "again.png")
+    title = figure.get_suptitle()
+    assert "lightning-ddp-amp compare 32-true 32-true" in title and f"torch {torch.__version__}" in title
+    assert report["hardware"] in title and "apex test double" in title
+    assert [axis.get_title() for axis in figure.axes] == [title for title, _ in compare_picture.PANELS]
+    for axis, (name, key) in zip(figure.axes, compare_picture.PANELS, strict=True):
+        if key == "metrics":
+            continue
         lines = {line.get_label(): line for line in axis.get_lines() if not line.get_label().startswith("_")}
-        assert sorted(lines) == ["32-true", "32-true#2", "32-true#3", "32-true#5"]
-        for name, line in lines.items():
-            series = candidate(learning_rates.report, name)["series"]
-            assert list(line.get_xdata()) == series["step"]
-            expected = [math.nan if value is None else value for value in series[key]]
-            assert list(line.get_ydata()) == pytest.approx(expected, nan_ok=True)
+        drawn = ["32-true#2", "32-true#3", "32-true#4", "32-true#5"]  # the crashed #4 keeps the step it took
+        if key not in ("relative_loss_difference", "weight_distance"):
+            drawn.insert(0, "32-true")
+        if key in ("relative_loss_difference", "weight_distance"):
+            drawn.remove("32-true#4")  # never compared
+        assert sorted(lines) == sorted(f"{n} ({candidate(report, n)['status']})" for n in drawn), name
+        for label, line in lines.items():
+            entry = candidate(report, label.split(" ")[0])
+            xs, ys = compare_picture.points(entry, key)
+            assert list(line.get_xdata()) == xs
+            assert list(line.get_ydata()) == pytest.approx(ys, nan_ok=True)
+    # Differences in percent; the step times without the warm-up step; the tolerance drawn where distances are.
+    differences = compare_picture.points(candidate(report, "32-true#3"), "relative_loss_difference")[1]
+    series = candidate(report, "32-true#3")["series"]
+    assert differences == pytest.approx([100 * v for v in series["relative_loss_difference"]])
+    assert compare_picture.points(candidate(report, "32-true"), "step_time_s")[0][0] == 1
+    tolerance = [line for line in figure.axes[2].get_lines() if line.get_label() == "_tolerance"]
+    assert list(tolerance[0].get_ydata()) == [100 * report["tolerance"]["weights"]] * 2
 
 
 def test_without_matplotlib_the_table_and_json_are_written_and_one_line_says_how_to_get_the_picture(
@@ -269,28 +322,280 @@ def test_without_matplotlib_the_table_and_json_are_written_and_one_line_says_how
     )
 
 
-def test_an_unseeded_script_is_not_compared_and_the_error_names_the_fix(tmp_path: Path) -> None:
-    result = run_compare(tmp_path, "32-true", "32-true", "--steps", "1", "--out", "out", *script("--unseeded"))
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert (
-        "NOT COMPARED: the model's initial weights differ between runs (rank 0: 32-true#2 against the baseline"
-        in result.stdout
-    )
-    assert "lightning.seed_everything(...)" in result.stdout
-    assert "final loss" not in result.stdout.split("NOT COMPARED")[0].rsplit("compare: 2 runs", 1)[-1]
-    report = json.loads((tmp_path / "out" / "compare.json").read_text())
-    assert not report["comparable"] and all(entry["summary"] is None for entry in report["candidates"])
-
-
 def test_failed_candidates_are_named_with_their_error_and_the_others_still_compared(
     learning_rates: LearningRates,
 ) -> None:
     output = learning_rates.result.stdout
     assert "32-true#4: FAILED: RuntimeError in the script: the model crashed at step 1" in output
+    # The crashed run keeps the step it took, as its rank wrote it when the exception came.
+    crashed = candidate(learning_rates.report, "32-true#4")
+    assert crashed["series"]["step"] == [0] and crashed["summary"] is None
+    assert crashed["series"]["loss"] == candidate(learning_rates.report, "32-true")["series"]["loss"][:1]
+    assert "the model crashed at step 1 (after 1 step, kept in compare.json)" in " ".join(output.split())
     # The package's own refusal of apex under a strategy that wraps the model before the precision plugin runs.
     assert "apex-O1: FAILED: PrecisionConfigurationError in the script: strategy=" in output
     statuses = [entry["status"] for entry in learning_rates.report["candidates"]]
     assert statuses == ["baseline", "identical", "apart", "failed", "failed", "identical"]
+
+
+class Overflows:
+    """One compare of ``compare_train.py`` validating every 4 batches and testing after fit, whose ``net.2`` leaves
+    float16's range at step 5 (``(x * 1e5) / 1e5``: nothing in float32): the float32 baseline, its noise-floor run,
+    and torch's AMP and the apex double at O1."""
+
+    def __init__(self, root: Path) -> None:
+        self.cwd = root
+        command = script("--val-every", "4", "--test-after", "--gain", "1e5", "--gain-at", "5")
+        self.result = run_compare(
+            root, "32-true", "native-O1", "apex-O1", "--noise-floor", "--steps", str(STEPS),
+            "--metric", "val_within:0.5", "--out", "out", *command,
+            apex_double=True,
+            timeout=600,
+        )  # fmt: skip
+        self.out = root / "out"
+        self.report = json.loads((self.out / "compare.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def overflows(tmp_path_factory: pytest.TempPathFactory) -> Overflows:
+    if CPU_FP16_MISSING is not None:
+        pytest.skip(CPU_FP16_MISSING)
+    return Overflows(tmp_path_factory.mktemp("overflows"))
+
+
+def logged(entry: dict[str, Any]) -> list[dict[str, float]]:
+    """What the run's CSVLogger wrote in validation and test, row by row: an independent record of the metrics."""
+    import csv
+
+    (path,) = Path(entry["directory"]).glob("logs/lightning_logs/version_*/metrics.csv")
+    rows = []
+    for row in csv.DictReader(path.open()):
+        values = {k: float(v) for k, v in row.items() if v and k.startswith(("val_", "test_"))}
+        if values:
+            rows.append({**values, "step": int(row["step"])})
+    return rows
+
+
+def test_every_validation_and_test_run_keeps_what_the_script_logged_as_its_logger_wrote_it(
+    overflows: Overflows,
+) -> None:
+    assert overflows.result.returncode in (0, 1), overflows.result.stdout[-3000:]  # a skip may put fp16 apart
+    for entry in overflows.report["candidates"]:
+        evaluations = entry["evaluations"]
+        assert [(e["stage"], e["step"]) for e in evaluations] == [
+            ("validate", 4), ("validate", 8), ("validate", 12), ("test", 12),
+        ], entry["name"]  # fmt: skip
+        # Lightning's CSV rows are at the step before (its loggers count from 0) and hold the same values.
+        rows = logged(entry)
+        assert [sorted(e["metrics"]) for e in evaluations] == [sorted(set(row) - {"step"}) for row in rows]
+        for evaluation, row in zip(evaluations, rows, strict=True):
+            ours = {k: math.nan if v is None else v for k, v in evaluation["metrics"].items()}  # JSON: NaN is null
+            assert ours == pytest.approx({k: v for k, v in row.items() if k != "step"}, rel=1e-6, nan_ok=True)
+
+
+def test_the_report_sets_each_metrics_last_value_beside_the_baselines_and_metric_joins_the_verdict(
+    overflows: Overflows, tmp_path: Path
+) -> None:
+    report, base = overflows.report, candidate(overflows.report, "32-true")
+    native = candidate(report, "native-O1")
+    for name, stage in (("val_loss", "validate"), ("val_within", "validate"), ("test_loss", "test")):
+        value = next(e["metrics"][name] for e in reversed(native["evaluations"]) if name in e["metrics"])
+        baseline = next(e["metrics"][name] for e in reversed(base["evaluations"]) if name in e["metrics"])
+        assert native["summary"]["metrics"][name] == pytest.approx(
+            {"stage": stage, "value": value, "baseline": baseline, "difference": value - baseline,
+             "relative_difference": abs(value - baseline) / abs(baseline)}
+        )  # fmt: skip
+        assert f"  {name:<18}{value:.6g}, baseline {baseline:.6g}, difference {value - baseline:+.3g} ({stage})" in (
+            block(overflows.result.stdout, "native-O1")
+        )
+    assert report["metrics"] == [{"name": "val_within", "tolerance": "0.5"}]
+    # The same records, judged on test_loss with a tolerance just under and just over its difference.
+    difference = abs(native["summary"]["metrics"]["test_loss"]["difference"])
+    assert difference > 0
+    runs = [
+        Candidate(e["name"], e["precision"], e["command"], Path(e["directory"]), returncode=0, role=e["role"])
+        for e in (base, native)
+    ]
+    tight = compare_report.Metric("test_loss", difference * 0.99)
+    apart = compare_report.build(runs, compare_report.Tolerance(1, 1), steps=STEPS, argv=[], metrics=[tight])
+    assert apart["candidates"][1]["status"] == "apart"
+    assert (
+        f"test_loss {native['summary']['metrics']['test_loss']['value']:.6g} against the baseline's"
+        in (apart["candidates"][1]["reason"])
+    )
+    loose = compare_report.Metric(
+        "test_loss", None, 1.01 * difference / abs(base["summary"]["metrics"]["test_loss"]["value"])
+    )
+    close = compare_report.build(runs, compare_report.Tolerance(1, 1), steps=STEPS, argv=[], metrics=[loose])
+    assert close["candidates"][1]["status"] == "close"
+
+
+def test_a_metric_the_baseline_never_logged_is_a_problem_naming_those_it_did(
+    overflows: Overflows, tmp_path: Path
+) -> None:
+    base = candidate(overflows.report, "32-true")
+    runs = [Candidate("32-true", "32-true", ["python"], Path(base["directory"]), returncode=0)]
+    runs.append(Candidate("again", "32-true", ["python"], Path(base["directory"]), returncode=0))
+    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[], metrics=[
+        compare_report.Metric("val_acc")
+    ])  # fmt: skip
+    assert report["problem"] == (
+        "--metric='val_acc': the baseline logged no such metric in validation or test (it logged: test_loss, val_loss,"
+        " val_within). Fix: name one of those, or log it with self.log('val_acc', ...) in validation_step or"
+        " test_step, and give the run a validation or test loader"
+    )
+    assert compare_report.write(report, tmp_path) == 2
+
+
+def test_a_skipped_step_names_the_module_that_overflowed_its_dtype_and_largest_finite_value_and_the_recovery(
+    overflows: Overflows,
+) -> None:
+    for name in ("native-O1", "apex-O1"):
+        entry = candidate(overflows.report, name)
+        (found,) = entry["overflows"]
+        assert (found["step"], found["rank"], found["phase"]) == (5, 0, "forward")
+        assert (found["module"], found["tensor"], found["dtype"]) == ("net.2", "output", "torch.float16")
+        assert 0 < found["max_finite"] < 1  # the tanh outputs that came back finite from (x * 1e5) / 1e5
+        assert found["loss_scale"] == 2.0**16
+        summary = entry["summary"]
+        assert summary["skipped_steps"] == [5] and summary["final_loss_scale"] == 2.0**15
+        assert summary["scale_trend"]["recovered"] and not summary["scale_trend"]["model_problem"]
+        lines = block(overflows.result.stdout, name)
+        assert "  skipped steps     1 (5); loss scale 32768 at the end; it recovered" in lines
+        assert any(
+            line.startswith("  overflow          step 5: net.2, forward (output, torch.float16, largest finite")
+            for line in lines
+        )
+    baseline = candidate(overflows.report, "32-true")
+    assert baseline["overflows"] == [] and baseline["summary"]["scale_trend"] is None  # float32 holds 1e5
+
+
+def falling(overflows: Overflows, root: Path) -> list[Candidate]:
+    """The fixture's baseline and native-O1 runs, copied; the copy of native-O1 edited into a run that overflowed in
+    net.2 at every step, its loss scale halving each time: what torch's AMP records on that model at gain 1e5."""
+    runs = []
+    for name, copy in (("32-true", "32-true"), ("native-O1", "native-O1#2")):
+        entry = candidate(overflows.report, name)
+        shutil.copytree(entry["directory"], root / copy)
+        runs.append(Candidate(copy, entry["precision"], entry["command"], root / copy, returncode=0))
+    (found,) = candidate(overflows.report, "native-O1")["overflows"]
+    located = {key: value for key, value in found.items() if key != "rank"}  # the report adds the rank
+
+    def every_step(rank: dict[str, Any]) -> None:
+        rank["skipped"] = [True] * STEPS
+        rank["loss_scale"] = [2.0 ** (16 - step) for step in range(STEPS)]
+        rank["overflows"] = [{**located, "step": step, "loss_scale": 2.0 ** (16 - step)} for step in range(STEPS)]
+
+    edit_record(runs[1], every_step)
+    return runs
+
+
+def test_a_loss_scale_that_keeps_falling_is_called_a_model_problem_naming_the_module_and_the_fixes(
+    overflows: Overflows, tmp_path: Path
+) -> None:
+    report = compare_report.build(falling(overflows, tmp_path), compare_report.Tolerance(), steps=STEPS, argv=[])
+    entry = report["candidates"][1]
+    assert entry["status"] == "apart"
+    trend = entry["summary"]["scale_trend"]
+    assert trend["model_problem"] and not trend["recovered"]
+    lowest = 2.0 ** (16 - STEPS + 1)
+    assert trend["lowest_loss_scale"] == lowest and trend["lowest_at_step"] == STEPS - 1
+    assert trend["advice"].startswith(
+        f"the loss scale kept falling (to {lowest:g} at step {STEPS - 1}): a model problem, not fp16's rounding: net.2"
+        " (forward: output, torch.float16) overflows even with the loss unscaled. Fix: keep that module in fp32"
+    )
+    assert "bf16-mixed" in trend["advice"] and trend["advice"] in entry["reason"]
+    said = " ".join(terminal.render(report).split())
+    assert (
+        f"{STEPS} (0, 1, 2, 3, 4, ...); loss scale {lowest:g} at the end; it did not recover (a model problem" in said
+    )
+    # A scale that fell once and went on is not a problem: the fixture's own native-O1 run.
+    assert not candidate(overflows.report, "native-O1")["summary"]["scale_trend"]["model_problem"]
+
+
+def test_the_noise_floor_run_is_the_baseline_one_ulp_off_reported_beside_every_distance(
+    overflows: Overflows,
+) -> None:
+    report, output = overflows.report, overflows.result.stdout
+    noise = candidate(report, "32-true~noise")
+    assert (noise["status"], noise["role"]) == ("noise floor", "noise floor")
+    assert noise["reason"] == "the baseline run again with every initial weight one ulp up"
+    floor = report["noise_floor"]
+    assert floor["candidate"] == "32-true~noise" and floor["weight_distance"] == noise["summary"]["weight_distance"]
+    assert 0 < floor["weight_distance"] < 1e-4  # one ulp moves it, and by almost nothing
+    start = torch.load(Path(candidate(report, "32-true")["directory"]) / "weights-start.pt")
+    assert start  # the baseline's; the noise run started from it (comparable) and moved every weight one ulp
+    percent = compare_report.percent(floor["weight_distance"])
+    said = " ".join(output.split())  # the report wraps its lines at 100 columns
+    assert (
+        f"noise floor (32-true~noise: the baseline again, every initial weight one ulp up): weights {percent}" in said
+    )
+    for name in ("native-O1", "apex-O1"):
+        assert any(f"noise floor {percent})" in line for line in block(output, name)), name
+
+
+def test_step_time_and_memory_are_called_faster_or_slower_only_outside_their_spread(overflows: Overflows) -> None:
+    report = overflows.report
+    spread = report["spread"]
+    base = candidate(report, "32-true")["summary"]["step_time_s"]
+    noise = candidate(report, "32-true~noise")["summary"]
+    assert spread["step_time_over_steps"] == pytest.approx((base["p75"] - base["p25"]) / (2 * base["median"]))
+    assert spread["step_time_between_baseline_runs"] == pytest.approx(abs(noise["step_time_ratio"] - 1))
+    assert spread["step_time"] == max(spread["step_time_over_steps"], spread["step_time_between_baseline_runs"])
+    assert spread["peak_memory"] == pytest.approx(abs(noise["peak_memory_ratio"] - 1))
+    for entry in report["candidates"][1:]:
+        summary = entry["summary"]
+        ratio, width = summary["step_time_ratio"], spread["step_time"]
+        expected = "above" if ratio > 1 + width else "below" if ratio < 1 - width else "within the spread"
+        assert summary["step_time_call"] == expected, entry["name"]
+        said = {"above": "slower", "below": "faster", "within the spread": "not faster or slower"}[expected]
+        assert any(f"x{ratio:.2f}: {said}" in line for line in block(overflows.result.stdout, entry["name"]))
+
+
+def test_the_weight_distance_is_measured_at_each_snapshot_against_the_baselines_weights_there(
+    overflows: Overflows,
+) -> None:
+    report = overflows.report
+    snapshots = [round(STEPS * i / compare.DEFAULT_SNAPSHOTS) for i in range(1, compare.DEFAULT_SNAPSHOTS)]
+    base = Path(candidate(report, "32-true")["directory"])
+    for step in snapshots:
+        assert (base / f"weights-step{step}.pt").is_file()
+    for entry in report["candidates"][1:]:
+        steps = [step for step, _ in entry["series"]["weight_distance"]]
+        assert steps == [*snapshots, STEPS], entry["name"]
+        assert entry["series"]["weight_distance"][-1][1] == entry["summary"]["weight_distance"]
+        assert entry["series"]["slowed_steps"] == snapshots  # after N steps done, step N (counted from 0) waits
+    # Before step 5 the float16 runs trained as the baseline did, within fp16's rounding; after the skip they lag.
+    native = dict(candidate(report, "native-O1")["series"]["weight_distance"])
+    assert native[2] < 0.05 and native[STEPS] > native[2]
+
+
+def test_the_terminal_report_fits_100_columns_with_four_candidates_and_a_noise_floor(
+    overflows: Overflows, tmp_path: Path
+) -> None:
+    report = overflows.result.stdout.split("\ncompare: 4 runs of", 1)[1]
+    assert max(len(line) for line in report.splitlines()) <= 100
+    assert "net.0" not in report  # the per-submodule distances are in compare.json only
+    # Four candidates, one of them a model problem with the longest verdict there is, beside a noise floor.
+    runs = falling(overflows, tmp_path)
+    for index, name in enumerate(("32-true~noise", "apex-O1", "native-O1")):
+        entry = candidate(overflows.report, name)
+        shutil.copytree(entry["directory"], tmp_path / name)
+        role = "noise floor" if index == 0 else "candidate"
+        runs.insert(1 + index, Candidate(name, entry["precision"], [], tmp_path / name, returncode=0, role=role))
+    (tmp_path / "crashed").mkdir()
+    runs.append(Candidate("crashed", "native-O1", [], tmp_path / "crashed", returncode=1))
+    built = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[], metrics=[
+        compare_report.Metric("val_within", 0.001)
+    ])  # fmt: skip
+    assert [e["role"] for e in built["candidates"]].count("candidate") == 4
+    lines = terminal.render(built).splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+
+def test_the_overflows_noise_floor_and_metrics_follow_the_documented_schema(overflows: Overflows) -> None:
+    assert_matches(overflows.report, SCHEMA)
+    assert overflows.report["hardware"].startswith(("CPU ", "NVIDIA", "AMD"))
 
 
 @pytest.mark.multiprocess
@@ -357,10 +662,7 @@ def test_a_run_torchrun_restarts_records_each_step_once(learning_rates: Learning
     restarted = candidate(learning_rates.report, "32-true#5")
     assert restarted["restarts"] == 1 and restarted["series"]["step"] == list(range(STEPS))
     assert restarted["status"] == "identical" and restarted["summary"]["weight_distance"] == 0
-    assert any(
-        line.startswith("steps") and line.rstrip().endswith(f"{STEPS}, after 1 restart(s)")
-        for line in output.splitlines()
-    )
+    assert f"  ran as            Precision 32-true, {STEPS} steps, after 1 restart(s)" in block(output, "32-true#5")
 
 
 @pytest.mark.multiprocess
@@ -409,6 +711,19 @@ def test_a_self_launched_lightning_cli_script_is_compared_and_only_rank_zero_say
         (
             ["32-true", "amp-O1", "--out", "runs/x", "torchrun", "--nproc-per-node=2", "t.py"],
             "Fix: lightning-ddp-amp compare 32-true amp-O1 --out runs/x -- torchrun --nproc-per-node=2 t.py",
+        ),
+        (["32", "bf16", "--metric", ":0.1", "--", "x"], "--metric=':0.1': no metric name before the ':'. Fix: e.g."),
+        (
+            ["32", "bf16", "--metric", "val_acc:high", "--", "x"],
+            "--metric='val_acc:high': the tolerance 'high' is not a number of 0 or more. Fix: e.g. --metric val_acc",
+        ),
+        (
+            ["32", "bf16", "--metric", "val_acc", "--metric", "val_acc:1%", "--", "x"],
+            "--metric=['val_acc', 'val_acc']: a metric is named twice. Fix: name each metric once",
+        ),
+        (
+            ["32", "bf16", "--snapshots", "0", "--", "x"],
+            "--snapshots=0: the end is always one. Fix: pass --snapshots 1",
         ),
     ],
 )
@@ -500,6 +815,12 @@ def recorded_copies(learning_rates: LearningRates, root: Path) -> list[Candidate
     ("change", "problem"),
     [
         (
+            lambda record: record["ranks"][0].update(weights_hash="0" * 64),
+            "the model's initial weights differ between runs (rank 0: other against the baseline base). Fix: call"
+            " `lightning.seed_everything(...)` (or torch.manual_seed) before building the model; with LightningCLI,"
+            " set `seed_everything: 42` in the config (its default, true, picks a new seed every run)",
+        ),
+        (
             lambda record: record["ranks"][0].update(batch_hash="0" * 64),
             "the first training batch differs between runs (rank 0: other against the baseline base). Fix: call"
             " `lightning.seed_everything(...)` before building the DataLoader, or give it a torch.Generator with a"
@@ -523,6 +844,10 @@ def test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_th
     report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
     assert report["problem"] == problem
     assert [entry["status"] for entry in report["candidates"]] == ["not compared", "not compared"]
+    assert all(entry["summary"] is None for entry in report["candidates"])
+    shown = terminal.render(report)
+    assert f"NOT COMPARED: {problem}" in " ".join(shown.split()) and "final loss" not in shown
+    assert compare_report.write(report, tmp_path) == 2
 
 
 def edit_record(run: Candidate, change: Any) -> None:

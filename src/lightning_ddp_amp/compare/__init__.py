@@ -14,10 +14,12 @@ records, is :mod:`lightning_ddp_amp.compare.recorder`'s. One command serves ever
 candidates (each after its own ``--``), candidate *i* runs command *i*.
 
 Afterwards :mod:`lightning_ddp_amp.compare.report` checks that the runs are comparable, and reports each candidate
-against the baseline: on the terminal, in ``DIR/compare.json`` and, with matplotlib, in ``DIR/compare.png``.
+against the baseline: on the terminal (:mod:`~lightning_ddp_amp.compare.terminal`), in ``DIR/compare.json`` and,
+with matplotlib, in ``DIR/compare.png`` (:mod:`~lightning_ddp_amp.compare.picture`).
 
 Exit status: 0 when every candidate is close to the baseline; 1 when one is apart or failed; 2 when nothing could
-be compared (a usage error, a baseline that failed, or runs that did not start alike).
+be compared (a usage error, a baseline that failed, runs that did not start alike, or a ``--metric`` the baseline
+never logged).
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ from typing import IO, TextIO
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.compare import report as compare_report
+from lightning_ddp_amp.compare import terminal
 from lightning_ddp_amp.compare.recorder import AMP_LEVEL, PLAN_VARIABLE, Plan
-from lightning_ddp_amp.compare.report import Candidate, Tolerance
+from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
 
 #: ``--steps``: enough for a loss curve to settle into its trend on most models, short enough to run before a switch.
 DEFAULT_STEPS = 200
+#: ``--snapshots``: the points along the run where weight distances are measured (the last is the end).
+DEFAULT_SNAPSHOTS = 8
 #: Programs that start a training command, recognised when one is given without ``--``.
 LAUNCHERS = ("python", "python3", "torchrun", "srun", "mpirun", "accelerate", "deepspeed", "lightning")
 #: Each run's own output, kept in its folder (and shown as it comes): its standard output and error.
@@ -57,6 +62,7 @@ several commands, each after its own `--`, one per precision.
 examples:
   lightning-ddp-amp compare apex-O1 native-O1 -- torchrun --nproc-per-node=8 train.py
   lightning-ddp-amp compare 32-true native-O1 bf16-mixed --steps 100 -- python train.py --lr 0.1
+  lightning-ddp-amp compare apex-O1 native-O1 --noise-floor --metric val_acc:0.005 -- python train.py
   lightning-ddp-amp compare 32-true 32-true -- python train.py --lr 0.1 -- python train.py --lr 0.11
 
 precisions:
@@ -68,7 +74,8 @@ precisions:
 exit status:
   0  every candidate is close to the baseline
   1  a candidate is apart, or failed
-  2  nothing was compared: a usage error, a baseline that failed, or runs that did not start alike"""
+  2  nothing was compared: a usage error, a baseline that failed, runs that did not start alike,
+     or a --metric the baseline never logged"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -102,6 +109,29 @@ def parser() -> argparse.ArgumentParser:
         help=f"beyond which a candidate is apart: the relative final-loss difference and the weight distance relative to"
         f" the baseline's travel (default {Tolerance().loss},{Tolerance().weights}; one number sets both)",
     )
+    parser.add_argument(
+        "--metric",
+        type=Metric.parse,
+        action="append",
+        default=[],
+        metavar="NAME[:TOL]",
+        help="a metric the script logs in validation or test that the verdict also requires close: TOL is the largest"
+        f" difference (0.005) or, ending in %%, relative to the baseline's value (default {Metric('x').tolerance_text()}%)",
+    )
+    parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="also run the baseline again with every initial weight one ulp up, and report each distance beside"
+        " that run's: the distance that means nothing here",
+    )
+    parser.add_argument(
+        "--snapshots",
+        type=int,
+        default=DEFAULT_SNAPSHOTS,
+        metavar="N",
+        help=f"measure the weight distance at N points along the run (default {DEFAULT_SNAPSHOTS}; the baseline keeps"
+        " its weights at each, on rank 0's disk; 1: at the end only)",
+    )
     return parser
 
 
@@ -129,6 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.steps < 1:
         command_line.error(f"--steps={args.steps}: a run needs at least one step. Fix: pass --steps 1 or more")
+    if args.snapshots < 1:
+        command_line.error(f"--snapshots={args.snapshots}: the end is always one. Fix: pass --snapshots 1 or more")
+    names = [metric.name for metric in args.metric]
+    if len(set(names)) < len(names):
+        command_line.error(f"--metric={names}: a metric is named twice. Fix: name each metric once, with one tolerance")
     if args.ckpt is not None and not args.ckpt.is_file():
         command_line.error(f"--ckpt={str(args.ckpt)!r}: no such file. Fix: pass the path of a checkpoint file")
     out: Path = args.out or Path(f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
@@ -141,15 +176,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = None if args.ckpt is None else str(args.ckpt.resolve())
     first_step = 0 if ckpt is None else _saved_step(ckpt, command_line)
-    candidates = _candidates(args.precisions, commands, out.resolve())
+    candidates = _candidates(args.precisions, commands, out.resolve(), noise_floor=args.noise_floor)
+    snapshots = tuple(first_step + round(args.steps * i / args.snapshots) for i in range(1, args.snapshots))
     for index, candidate in enumerate(candidates):
         print(f"compare [{index + 1}/{len(candidates)}] {candidate.name}: {shlex.join(candidate.command)}", flush=True)
         plan = Plan(
-            candidate.name, candidate.precision, args.steps, str(candidate.directory), ckpt, index == 0, first_step
-        )
+            candidate.name, candidate.precision, args.steps, str(candidate.directory), ckpt, index == 0, first_step,
+            snapshots, str(candidates[0].directory), perturb=candidate.role == "noise floor",
+        )  # fmt: skip
         candidate.returncode = _run(candidate, plan)
-    report = compare_report.build(candidates, args.tolerance, steps=args.steps, argv=argv)
-    print(compare_report.render(report))
+    report = compare_report.build(candidates, args.tolerance, steps=args.steps, argv=argv, metrics=args.metric)
+    print(terminal.render(report))
     return compare_report.write(report, out)
 
 
@@ -174,7 +211,7 @@ def _check_precision(name: str, command_line: argparse.ArgumentParser) -> None:
 
 def _refuse_command_without_separator(options: list[str], command_line: argparse.ArgumentParser) -> None:
     """A training command given without ``--`` in front: say where it starts and how to write it."""
-    valued = {"--out", "--ckpt", "--steps", "--tolerance"}
+    valued = {"--out", "--ckpt", "--steps", "--tolerance", "--metric", "--snapshots"}
     for index, word in enumerate(options):
         if index and options[index - 1] in valued:
             continue  # an option's value, such as a path
@@ -200,14 +237,25 @@ def _split_commands(argv: list[str]) -> tuple[list[str], list[list[str]]]:
     return argv[:first], commands
 
 
-def _candidates(precisions: list[str], commands: list[list[str]], out: Path) -> list[Candidate]:
-    candidates = []
-    for index, precision in enumerate(precisions):
-        repeat = precisions[:index].count(precision)
-        name = precision if not repeat else f"{precision}#{repeat + 1}"
-        folder = out / f"{index + 1}-{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}"
-        command = commands[index] if len(commands) > 1 else commands[0]
-        candidates.append(Candidate(name=name, precision=precision, command=command, directory=folder))
+def _candidates(
+    precisions: list[str], commands: list[list[str]], out: Path, *, noise_floor: bool = False
+) -> list[Candidate]:
+    """One candidate per precision, the baseline first; with ``noise_floor``, the baseline's second run after it."""
+    runs = [
+        (precision, commands[index] if len(commands) > 1 else commands[0]) for index, precision in enumerate(precisions)
+    ]
+    roles = ["baseline"] + ["candidate"] * (len(runs) - 1)
+    if noise_floor:
+        runs.insert(1, runs[0])
+        roles.insert(1, "noise floor")
+    candidates: list[Candidate] = []
+    for index, ((precision, command), role) in enumerate(zip(runs, roles, strict=True)):
+        repeat = [c.precision for c in candidates if c.role != "noise floor"].count(precision)
+        name = (
+            f"{precision}~noise" if role == "noise floor" else precision if not repeat else f"{precision}#{repeat + 1}"
+        )
+        folder = out / f"{index + 1}-{re.sub(r'[^A-Za-z0-9._~-]+', '_', name)}"
+        candidates.append(Candidate(name=name, precision=precision, command=command, directory=folder, role=role))
     return candidates
 
 

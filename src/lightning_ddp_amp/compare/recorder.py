@@ -23,10 +23,17 @@ Lightning's ``global_step`` and ``max_steps`` count, and ``max_steps`` ends ``fi
 ``min_epochs`` (those only hold back ``should_stop``). Per step the callback keeps, on the device: the loss
 (the sum of the losses given to backward since the previous step, so the mean of an accumulation window), the
 global norm of the gradients of what the optimizer steps (before clipping, after unscaling), the loss scale, whether
-the step was skipped, the learning rate and the step's time (CUDA events on a GPU). Nothing of it is read back
-until ``fit`` ends; then one ``all_gather_object`` brings every rank's record to rank 0, which writes ``record.json``
-and the final weights. The module imports no Lightning namespace itself: :func:`patch` is given one, and what it
-needs of Lightning's private API comes from that namespace's flavour of :mod:`lightning_ddp_amp._lightning`.
+the step was skipped, the learning rate and the step's time (CUDA events on a GPU). One value is read back per step:
+whether the gradient norm is finite (as loss scalers read their overflow flag); when it is not,
+:mod:`~lightning_ddp_amp.compare.overflow` locates where. The rest stays on the device until ``fit`` ends; then one
+``all_gather_object`` brings every rank's record to rank 0, which writes ``record.json`` and the final weights.
+
+Along the way: at the plan's snapshot steps the baseline's rank 0 saves its weights and any other run's rank 0
+measures its distance to them; each validation and test run's logged metrics are kept (and the record rewritten
+for a ``validate`` or ``test`` after ``fit``); a run that raises keeps its steps, each rank in its own file.
+
+The module imports no Lightning namespace itself: :func:`patch` is given one, and what it needs of Lightning's
+private API comes from that namespace's flavour of :mod:`lightning_ddp_amp._lightning`.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ddp_amp.compare import overflow
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 
 #: The environment variable naming a run's plan file (``_compare_site/sitecustomize.py`` reads it too).
@@ -87,6 +95,10 @@ class Plan:
         ckpt: The checkpoint ``fit`` starts from when the script passes none.
         save_start: Also save the weights as they are before the first step (the baseline does, for distances).
         first_step: The global step ``ckpt`` was saved at: the run takes ``steps`` more.
+        snapshots: The global steps after which the weights are compared with the baseline's as training goes: the
+            baseline saves its weights there, every other run measures its distance to them.
+        baseline_directory: The baseline's folder, where those weights are.
+        perturb: Move every initial weight one ulp up after the starting weights are hashed: the noise-floor run.
     """
 
     candidate: str
@@ -96,13 +108,17 @@ class Plan:
     ckpt: str | None = None
     save_start: bool = False
     first_step: int = 0
+    snapshots: tuple[int, ...] = ()
+    baseline_directory: str | None = None
+    perturb: bool = False
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
 
     @classmethod
     def read(cls, path: str | Path) -> Plan:
-        return cls(**json.loads(Path(path).read_text()))
+        fields = json.loads(Path(path).read_text())
+        return cls(**{**fields, "snapshots": tuple(fields.get("snapshots", ()))})
 
 
 @dataclasses.dataclass
@@ -333,6 +349,13 @@ class Recording:
         self._stepped: list[tuple[int, Any]] = []  # (index, optimizer) of this batch's steps
         self._pending_scale: Tensor | float | None = None
         self._restore: list[Callable[[], None]] = []
+        self._batch: tuple[Any, int, tuple[Tensor, Tensor | None]] | None = None  # for locating an overflow
+        self._overflows: list[dict[str, Any]] = []
+        self._distances: list[tuple[int, float | None]] = []  # (global step, weight distance to the baseline's)
+        self._snapshot_steps: list[int] = []
+        self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
+        self._evaluations: list[dict[str, Any]] = []
+        self._document: dict[str, Any] | None = None
 
     # -- hooks -------------------------------------------------------------------------------------------------------
 
@@ -355,6 +378,8 @@ class Recording:
                 self.weights_hash = _hash_tensors(state)
                 if self.plan.save_start and trainer.global_rank == 0:
                     _save_fp32(state, Path(self.plan.directory) / START_WEIGHTS)
+                if self.plan.perturb:
+                    _one_ulp_up(pl_module)
             setup(trainer_)
 
         def recorded_backward(closure_loss: Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -381,6 +406,10 @@ class Recording:
             self.batch_hash = _hash_batch(batch)
         if self._opened is None:
             self._opened = _now(pl_module.device)
+        if len(self._overflows) < overflow.MAX_LOCATED:
+            device = torch.device(pl_module.device)
+            cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+            self._batch = (batch, batch_idx, (torch.get_rng_state(), cuda_rng))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -398,6 +427,24 @@ class Recording:
         self._lr.append(float(optimizer.param_groups[0]["lr"]))
         self._step.append(int(trainer.global_step))
         self._stepped.append((len(self._step) - 1, optimizer))
+        # The one device read per step: whether this step's gradients are finite (loss scalers read as much).
+        if (
+            self._batch is not None
+            and not bool(torch.isfinite(self._grad_norm[-1]))
+            and not all(bool(torch.isfinite(grad).all()) for grad in grads)  # not only the norm overflowing fp32
+        ):
+            batch, batch_idx, rng = self._batch
+            self._overflows.append(
+                overflow.locate(
+                    pl_module,
+                    batch,
+                    batch_idx,
+                    step=int(trainer.global_step),
+                    scale=None if scale is None else float(scale),
+                    rng=rng,
+                    context=trainer.precision_plugin.train_step_context,
+                )
+            )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._stepped:
@@ -416,15 +463,64 @@ class Recording:
                 self._skipped.append(False)
         self._stepped = []
         self._opened = None
+        self._batch = None
+        done = int(trainer.global_step)
+        if done in self.plan.snapshots and done not in self._snapshot_steps:
+            self._snapshot_steps.append(done)
+            self._snapshot(trainer, pl_module, done)
+
+    def _snapshot(self, trainer: Any, pl_module: Any, done: int) -> None:
+        """The baseline keeps its weights after ``done`` steps; any other run measures how far it is from them."""
+        if trainer.global_rank != 0 or self.plan.baseline_directory is None:
+            return
+        weights = _fp32(_trained_weights(pl_module, trainer.precision_plugin))
+        folder = Path(self.plan.baseline_directory)
+        if self.plan.save_start:
+            torch.save(weights, folder / snapshot_file(done))
+            return
+        try:
+            base = torch.load(folder / snapshot_file(done), map_location="cpu")
+            if self._baseline_start is None:
+                self._baseline_start = torch.load(folder / START_WEIGHTS, map_location="cpu")
+        except FileNotFoundError:  # the baseline stopped earlier
+            return
+        self._distances.append((done, weight_distance(weights, base, self._baseline_start)))
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._evaluated(trainer, "validate")
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        self._evaluated(trainer, "test")
+
+    def _evaluated(self, trainer: Any, stage: str) -> None:
+        """Keep what the script logged in this validation or test run, as rank 0 holds it (what loggers write)."""
+        if trainer.sanity_checking or trainer.global_rank != 0:
+            return
+        metrics = _fence(self._pl).evaluation_metrics(trainer)
+        self._evaluations.append({"stage": stage, "step": int(trainer.global_step), "metrics": metrics})
+        if self._document is not None:  # a validate or test after fit: the record is rewritten with it
+            self._write()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A run that crashes keeps the steps it took: each rank writes its own, since no collective is safe now."""
+        if not self._active or self._document is not None:
+            return
+        for restore in self._restore:
+            restore()
+        self._restore = []
+        try:
+            self._pad_series()
+            record = self._rank_record(trainer, pl_module)
+        except Exception:  # a device that failed cannot be read back; the error to report is the script's
+            return
+        path = Path(self.plan.directory) / partial_file(int(trainer.global_rank))
+        path.write_text(json.dumps({**self._header(trainer, 1), "ranks": [record], "crashed": repr(exception)}))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         for restore in self._restore:
             restore()
         self._restore = []
-        # A step outside a training batch (an optimizer stepped in another hook) has no batch time or skip flag.
-        missing = len(self._step) - len(self._skipped)
-        self._skipped += [False] * missing
-        self._times += [(None, None)] * missing
+        self._pad_series()
         record = self._rank_record(trainer, pl_module)
         records = [record]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -432,22 +528,35 @@ class Recording:
             dist.all_gather_object(records, record)
         if trainer.global_rank != 0:
             return
-        folder = Path(self.plan.directory)
-        _save_fp32(_trained_weights(pl_module, trainer.precision_plugin), folder / FINAL_WEIGHTS)
-        document = {
+        _save_fp32(_trained_weights(pl_module, trainer.precision_plugin), Path(self.plan.directory) / FINAL_WEIGHTS)
+        self._document = {**self._header(trainer, len(records)), "ranks": sorted(records, key=lambda r: r["rank"])}
+        self._write()
+
+    def _header(self, trainer: Any, world_size: int) -> dict[str, Any]:
+        return {
             "candidate": self.plan.candidate,
             "precision": self.plan.precision,
-            "world_size": len(records),
+            "world_size": world_size,
             "ran_as": ran_as(trainer.precision_plugin),
             # torchrun --max-restarts: an attempt that failed wrote nothing; this one's series starts where it did.
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "replaced": self.changes.replaced,
             "turned_off": self.changes.turned_off,
-            "ranks": sorted(records, key=lambda r: r["rank"]),
         }
+
+    def _write(self) -> None:
+        assert self._document is not None
+        document = {**self._document, "evaluations": self._evaluations, "weight_distances": self._distances}
+        folder = Path(self.plan.directory)
         temporary = folder / f"{RECORD_FILE}.tmp"
         temporary.write_text(json.dumps(document))
         temporary.replace(folder / RECORD_FILE)
+
+    def _pad_series(self) -> None:
+        """A step outside a training batch (an optimizer stepped in another hook) has no batch time or skip flag."""
+        missing = len(self._step) - len(self._skipped)
+        self._skipped += [False] * missing
+        self._times += [(None, None)] * missing
 
     # -- the record --------------------------------------------------------------------------------------------------
 
@@ -474,7 +583,49 @@ class Recording:
             "step_time_s": times,
             "peak_memory_bytes": peak,
             "peak_memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "process_max_rss",
+            "overflows": self._overflows,
+            # The step after each snapshot: the other ranks wait in it for rank 0, which saved or read weights.
+            "slowed_steps": list(self._snapshot_steps),
         }
+
+
+def timed_steps(series: dict[str, Any]) -> list[tuple[int, float | None]]:
+    """``(step, step time)`` without the first step (warm-up) and the steps slowed by rank 0 measuring weight
+    distances: what the step-time statistics and the picture use."""
+    slowed = set(series["slowed_steps"])
+    pairs = zip(series["step"], series["step_time_s"], strict=True)
+    return [(step, t) for index, (step, t) in enumerate(pairs) if index and step not in slowed]
+
+
+def snapshot_file(step: int) -> str:
+    return f"weights-step{step}.pt"
+
+
+def partial_file(rank: int | str) -> str:
+    """What a rank of a crashed run wrote: its steps, up to the crash (``"*"``: every rank's, as a glob)."""
+    return f"record-rank{rank}.partial.json"
+
+
+def weight_distance(
+    weights: Mapping[str, Tensor], base: Mapping[str, Tensor], start: Mapping[str, Tensor], names: Any = None
+) -> float | None:
+    """``‖w - w_baseline‖ / ‖w_baseline - w_start‖`` over ``names`` (default: all); None when none are shared."""
+    names = [name for name in (weights if names is None else names) if name in base and name in start]
+    if not names:
+        return None
+    apart = math.sqrt(sum(float((weights[n] - base[n]).double().square().sum()) for n in names))
+    travel = math.sqrt(sum(float((base[n] - start[n]).double().square().sum()) for n in names))
+    if travel == 0:
+        return 0.0 if apart == 0 else math.inf
+    return apart / travel
+
+
+def _one_ulp_up(pl_module: Any) -> None:
+    """Every floating weight one unit in the last place up: a change no precision question depends on."""
+    with torch.no_grad():
+        for parameter in pl_module.parameters():
+            if parameter.is_floating_point():
+                parameter.copy_(torch.nextafter(parameter, torch.full_like(parameter, math.inf)))
 
 
 def _floats(values: list[Tensor]) -> list[float]:
@@ -553,6 +704,10 @@ def _hash_tensors(tensors: dict[Any, Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _fp32(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The floating tensors of a state, as fp32 on the CPU: what the weight files hold and distances compare."""
+    return {name: t.detach().float().cpu() for name, t in state.items() if torch.is_floating_point(t)}
+
+
 def _save_fp32(state: dict[str, Tensor], path: Path) -> None:
-    floats = {name: t.detach().float().cpu() for name, t in state.items() if torch.is_floating_point(t)}
-    torch.save(floats, path)
+    torch.save(_fp32(state), path)

@@ -10,8 +10,15 @@ Definitions (``docs/compare.md`` explains how to read them):
   that never moved (every step skipped), and about 0.1 for the same precision at a learning rate 10% off. Per
   submodule (the module that holds each parameter) the same ratio uses that submodule's own weights.
 * A candidate is **identical** when it took the baseline's steps with the baseline's loss at each and ended in its
-  weights, bit for bit; else **close** when its final loss is within the loss tolerance of the baseline's and its
-  weight distance within the weight tolerance; otherwise **apart**, with the reason.
+  weights, bit for bit; else **close** when its final loss is within the loss tolerance of the baseline's, its
+  weight distance within the weight tolerance and each ``--metric`` within its own; otherwise **apart**, with the
+  reason.
+* The *noise floor* (``--noise-floor``) is the baseline run again with every initial weight one ulp up: the
+  distances of a run that differs by nothing that matters, beside which every candidate's are read.
+* Step times leave out each run's first step (warm-up) and the steps slowed by rank 0 measuring weight distances;
+  their *spread* is half the baseline's interquartile range over its median, or, when wider, how far the noise-floor
+  run's median is from the baseline's. A step-time ratio within ``1 ± spread`` is not called faster or slower; the
+  memory spread is how far the noise-floor run's peak is from the baseline's.
 """
 
 from __future__ import annotations
@@ -22,27 +29,31 @@ import importlib.metadata
 import json
 import math
 import platform
+import re
 import statistics
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_ddp_amp.amp import apex_loader
-from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, RECORD_FILE, START_WEIGHTS
+from lightning_ddp_amp.compare import picture
+from lightning_ddp_amp.compare.recorder import (
+    FINAL_WEIGHTS,
+    RECORD_FILE,
+    START_WEIGHTS,
+    partial_file,
+    timed_steps,
+    weight_distance,
+)
 
 #: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
 SCHEMA = "lightning-ddp-amp/compare/1"
 JSON_FILE = "compare.json"
 PNG_FILE = "compare.png"
-#: The panels of ``compare.png``, in order, with the series each plots.
-PANELS = (
-    ("Loss", "loss"),
-    ("Relative loss difference to the baseline", "relative_loss_difference"),
-    ("Loss scale (x: skipped step)", "loss_scale"),
-    ("Step time (s)", "step_time_s"),
-)
+#: A loss scale below this means the model overflows fp16 with its loss unscaled: not a rounding question.
+MODEL_PROBLEM_SCALE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +83,49 @@ class Tolerance:
         return cls(values[0], values[-1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """``--metric NAME[:TOL]``: a metric the script logs in validation or test, which must be close for a candidate to
+    be close. ``TOL`` is the largest difference from the baseline's value (``0.005``) or, ending in ``%``, relative to
+    it (``1%``); without it, the loss tolerance's default, relative."""
+
+    name: str
+    absolute: float | None = None
+    relative: float = Tolerance().loss
+
+    @classmethod
+    def parse(cls, text: str) -> Metric:
+        """An argparse ``type``."""
+        name, separator, tolerance = text.partition(":")
+        fix = "Fix: e.g. --metric val_acc (within 2% of the baseline's), val_acc:0.005 or val_acc:1%"
+        if not re.fullmatch(r"[^\s:]+", name):
+            raise argparse.ArgumentTypeError(f"--metric={text!r}: no metric name before the ':'. {fix}")
+        if not separator:
+            return cls(name)
+        try:
+            value = float(tolerance[:-1]) / 100 if tolerance.endswith("%") else float(tolerance)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(
+                f"--metric={text!r}: the tolerance {tolerance!r} is not a number of 0 or more. {fix}"
+            )
+        return cls(name, None, value) if tolerance.endswith("%") else cls(name, value)
+
+    def tolerance_text(self) -> str:
+        return f"{self.absolute:g}" if self.absolute is not None else f"{100 * self.relative:g}%"
+
+    def within(self, value: float, baseline: float) -> bool:
+        limit = self.absolute if self.absolute is not None else self.relative * abs(baseline)
+        return math.isfinite(value) and abs(value - baseline) <= limit
+
+
 @dataclasses.dataclass
 class Candidate:
-    """One precision's run: what ran, and how it ended."""
+    """One precision's run: what ran, and how it ended.
+
+    ``role`` is ``"baseline"``, ``"candidate"`` or ``"noise floor"`` (the baseline's second run, ``--noise-floor``).
+    """
 
     name: str
     precision: str
@@ -82,6 +133,7 @@ class Candidate:
     directory: Path
     returncode: int | None = None
     error: str | None = None
+    role: str = "candidate"
 
     _record: dict[str, Any] | None = dataclasses.field(default=None, init=False, repr=False)
 
@@ -91,6 +143,13 @@ class Candidate:
             path = self.directory / RECORD_FILE
             self._record = json.loads(path.read_text()) if path.is_file() else None
         return self._record
+
+    def partial(self) -> list[dict[str, Any]]:
+        """What the ranks of a crashed run wrote of their steps (each rank's own ``record``), rank by rank."""
+        ranks = []
+        for path in sorted(self.directory.glob(partial_file("*"))):
+            ranks += json.loads(path.read_text())["ranks"]
+        return sorted(ranks, key=lambda rank: rank["rank"])
 
     def failure(self) -> str | None:
         """Why the run failed, preferring the error a rank raised; None when it finished with a record.
@@ -116,20 +175,32 @@ class Candidate:
         )
 
 
-def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv: list[str]) -> dict[str, Any]:
+def build(
+    candidates: list[Candidate],
+    tolerance: Tolerance,
+    *,
+    steps: int,
+    argv: list[str],
+    metrics: Sequence[Metric] = (),
+) -> dict[str, Any]:
     """The report as ``compare.json`` holds it."""
     baseline = candidates[0]
     entries = [_entry(candidate) for candidate in candidates]
+    entries[0]["role"] = "baseline"  # whatever the caller named it: the first run is what the others are held to
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "command": ["lightning-ddp-amp", "compare", *argv],
         "steps": steps,
         "tolerance": dataclasses.asdict(tolerance),
+        "metrics": [{"name": m.name, "tolerance": m.tolerance_text()} for m in metrics],
         "versions": _versions(),
+        "hardware": _hardware(),
         "apex": _apex(),
         "baseline": baseline.name,
         "comparable": False,
         "problem": None,
+        "noise_floor": None,
+        "spread": None,
         "candidates": entries,
     }
     if entries[0]["status"] == "failed":
@@ -153,32 +224,44 @@ def build(candidates: list[Candidate], tolerance: Tolerance, *, steps: int, argv
     base_series = entries[0]["series"]
     start = torch.load(baseline.directory / START_WEIGHTS)
     base_weights = torch.load(baseline.directory / FINAL_WEIGHTS)
-    for candidate, entry in zip(candidates, entries, strict=True):
-        if entry["status"] == "failed":
-            continue
-        weights = torch.load(candidate.directory / FINAL_WEIGHTS)
-        entry["summary"] = _summary(
-            entry["series"], base_series, weights, base_weights, start, entries[0], entry["peak_memory_bytes"]
-        )
+    compared = [(c, e) for c, e in zip(candidates, entries, strict=True) if e["status"] != "failed"]
+    final_weights = {}
+    for candidate, entry in compared:
+        weights = final_weights[candidate.name] = torch.load(candidate.directory / FINAL_WEIGHTS)
+        entry["summary"] = _summary(entry, entries[0], weights, base_weights, start)
+    noise = next((e for c, e in compared if c.role == "noise floor"), None)
+    report["noise_floor"] = None if noise is None else _noise_floor(noise)
+    report["spread"] = _spread(entries[0], noise)
+    report["problem"] = _missing_metric(entries[0], metrics)
+    for candidate, entry in compared:
+        summary = entry["summary"]
+        summary["step_time_call"] = _call(summary["step_time_ratio"], report["spread"]["step_time"])
+        summary["peak_memory_call"] = _call(summary["peak_memory_ratio"], report["spread"]["peak_memory"])
         if candidate is baseline:
             entry["status"], entry["reason"] = "baseline", "the baseline"
-        else:
-            entry["summary"]["first_step_apart"] = _first_apart(entry, tolerance)
-            entry["summary"]["explanation"] = _explain(entry, entries[0])
-            entry["status"], entry["reason"] = _verdict(entry["summary"], tolerance)
-            if entry["summary"]["explanation"]:
-                entry["reason"] += f"; {entry['summary']['explanation']}"
-            if _identical(entry["series"], base_series, weights, base_weights):
-                entry["status"] = "identical"
-                entry["reason"] = "the baseline's loss at every step and its final weights, bit for bit"
-            if entry["ran_as"] == entries[0]["ran_as"] and candidate.command == baseline.command:
+            continue
+        if candidate.role == "noise floor":
+            entry["status"] = "noise floor"
+            entry["reason"] = "the baseline run again with every initial weight one ulp up"
+            continue
+        summary["first_step_apart"] = _first_apart(entry, tolerance)
+        summary["explanation"] = _explain(entry, entries[0])
+        entry["status"], entry["reason"] = _verdict(summary, tolerance, metrics)
+        if summary["explanation"]:
+            entry["reason"] += f"; {summary['explanation']}"
+        if summary["scale_trend"] and summary["scale_trend"]["model_problem"]:
+            entry["reason"] += f"; {summary['scale_trend']['advice']}"
+        if _identical(entry["series"], base_series, final_weights[candidate.name], base_weights):
+            entry["status"] = "identical"
+            entry["reason"] = "the baseline's loss at every step and its final weights, bit for bit"
+        if entry["ran_as"] == entries[0]["ran_as"] and candidate.command == baseline.command:
+            entry["reason"] += (
+                f"; it trained as the baseline did ({entry['ran_as']}), so this compares a run with itself"
+            )
+            if candidate.precision.startswith("amp-"):
                 entry["reason"] += (
-                    f"; it trained as the baseline did ({entry['ran_as']}), so this compares a run with itself"
+                    f" (amp-O* runs apex where apex is installed: name native-{candidate.precision[4:]} for torch's AMP)"
                 )
-                if candidate.precision.startswith("amp-"):
-                    entry["reason"] += (
-                        f" (amp-O* runs apex where apex is installed: name native-{candidate.precision[4:]} for torch's AMP)"
-                    )
     return report
 
 
@@ -188,6 +271,7 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "name": candidate.name,
         "precision": candidate.precision,
+        "role": candidate.role,
         "command": candidate.command,
         "directory": str(candidate.directory),
         "returncode": candidate.returncode,
@@ -199,32 +283,61 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
         "replaced": [],
         "turned_off": [],
         "series": None,
+        "evaluations": [],
+        "overflows": [],
         "summary": None,
     }
-    if record is not None:
-        ranks = record["ranks"]
-        first = ranks[0]
-        entry.update(
-            world_size=record["world_size"],
-            ran_as=record["ran_as"],
-            restarts=record["restarts"],
-            replaced=record["replaced"],
-            turned_off=record["turned_off"],
-        )
-        entry["series"] = {
-            "step": first["step"],
-            "loss": [_mean([rank["loss"][i] for rank in ranks]) for i in range(len(first["step"]))],
-            "loss_by_rank": [rank["loss"] for rank in ranks],
-            "skipped": first["skipped"],
-            "loss_scale": first["loss_scale"],
-            "grad_norm": first["grad_norm"],
-            "lr": first["lr"],
-            "step_time_s": [max(rank["step_time_s"][i] for rank in ranks) for i in range(len(first["step"]))],
-            "relative_loss_difference": [],
-        }
-        entry["peak_memory_bytes"] = max(rank["peak_memory_bytes"] for rank in ranks)
-        entry["peak_memory_kind"] = first["peak_memory_kind"]
+    if record is None:  # a crash keeps the steps taken before it, each rank's own
+        partial = candidate.partial()
+        if partial:
+            entry["series"] = _series(partial)
+            entry["overflows"] = _overflows(partial)
+        return entry
+    entry.update(
+        world_size=record["world_size"],
+        ran_as=record["ran_as"],
+        restarts=record["restarts"],
+        replaced=record["replaced"],
+        turned_off=record["turned_off"],
+        evaluations=record.get("evaluations", []),
+        series=_series(record["ranks"]),
+        overflows=_overflows(record["ranks"]),
+    )
+    entry["series"]["weight_distance"] = [[step, d] for step, d in record.get("weight_distances", [])]
+    entry["peak_memory_bytes"] = max(rank["peak_memory_bytes"] for rank in record["ranks"])
+    entry["peak_memory_kind"] = record["ranks"][0]["peak_memory_kind"]
     return entry
+
+
+def _series(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's series from its ranks' records: the loss averaged over ranks, the step time the slowest rank's, the
+    rest rank 0's; as long as the shortest rank's (a crash may stop ranks a step apart)."""
+    first = ranks[0]
+    count = min(len(rank["step"]) for rank in ranks)
+    return {
+        "step": first["step"][:count],
+        "loss": [_mean([rank["loss"][i] for rank in ranks]) for i in range(count)],
+        "loss_by_rank": [rank["loss"][:count] for rank in ranks],
+        "skipped": first["skipped"][:count],
+        "loss_scale": first["loss_scale"][:count],
+        "grad_norm": first["grad_norm"][:count],
+        "lr": first["lr"][:count],
+        "step_time_s": [max(rank["step_time_s"][i] for rank in ranks) for i in range(count)],
+        "slowed_steps": first.get("slowed_steps", []),
+        "relative_loss_difference": [],
+        "weight_distance": [],
+    }
+
+
+def _overflows(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each located overflow once, per step the rank that found the most (a place before "not reproduced")."""
+    found: dict[int, dict[str, Any]] = {}
+    for rank in ranks:
+        for overflow in rank.get("overflows", []):
+            step, known = overflow["step"], overflow["module"] is not None
+            if step not in found or (known and found[step]["module"] is None):
+                found[step] = {**overflow, "rank": rank["rank"]}
+    return [found[step] for step in sorted(found)]
 
 
 def _incomparable(candidates: list[Candidate], records: list[dict[str, Any] | None]) -> str | None:
@@ -258,14 +371,13 @@ def _incomparable(candidates: list[Candidate], records: list[dict[str, Any] | No
 
 
 def _summary(
-    series: dict[str, Any],
-    base: dict[str, Any],
+    entry: dict[str, Any],
+    base_entry: dict[str, Any],
     weights: dict[str, torch.Tensor],
     base_weights: dict[str, torch.Tensor],
     start: dict[str, torch.Tensor],
-    base_entry: dict[str, Any],
-    entry_memory: int,
 ) -> dict[str, Any]:
+    series, base = entry["series"], base_entry["series"]
     common = [step for step in base["step"] if step in set(series["step"])]
     ours = dict(zip(series["step"], series["loss"], strict=True))
     theirs = dict(zip(base["step"], base["loss"], strict=True))
@@ -278,8 +390,11 @@ def _summary(
     base_final = _mean([theirs[step] for step in common[-tail:]])
     skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
     submodules = _submodule_distances(weights, base_weights, start)
-    times, base_times = series["step_time_s"], base["step_time_s"]
-    median = statistics.median(times) if times else None
+    distance = weight_distance(weights, base_weights, start)
+    if series["step"]:
+        series["weight_distance"].append([series["step"][-1] + 1, distance])
+    times, base_times = _step_times(series), _step_times(base)
+    memory = entry["peak_memory_bytes"]
     return {
         "final_loss": final,
         "final_loss_relative_difference": _relative(final, base_final),
@@ -287,15 +402,149 @@ def _summary(
         "mean_relative_loss_difference": _mean(differences) if differences else None,
         "first_step_apart": None,
         "explanation": None,
-        "weight_distance": _distance(list(weights), weights, base_weights, start),
+        "weight_distance": distance,
         "submodule_distances": sorted(submodules, key=lambda s: -_order(s["distance"]))[:3],
+        "metrics": _metrics(entry["evaluations"], base_entry["evaluations"]),
         "skipped_steps": skipped,
         "final_loss_scale": series["loss_scale"][-1] if series["loss_scale"] else None,
-        "median_step_time_s": median,
-        "step_time_ratio": _ratio(median, statistics.median(base_times)) if median and base_times else None,
-        "peak_memory_bytes": entry_memory,
-        "peak_memory_ratio": _ratio(entry_memory, base_entry["peak_memory_bytes"]),
+        "scale_trend": _scale_trend(series, entry["overflows"]),
+        "step_time_s": times,
+        "median_step_time_s": times["median"] if times else None,
+        "step_time_ratio": _ratio(times["median"], base_times["median"]) if times and base_times else None,
+        "step_time_call": None,
+        "peak_memory_bytes": memory,
+        "peak_memory_ratio": _ratio(memory, base_entry["peak_memory_bytes"]),
+        "peak_memory_call": None,
     }
+
+
+def _step_times(series: dict[str, Any]) -> dict[str, float] | None:
+    """Median and quartiles of :func:`timed_steps` (all steps when that leaves none); None without a finite time."""
+    times = [t for _, t in timed_steps(series) if t is not None and math.isfinite(t)] or [
+        t for t in series["step_time_s"] if t is not None and math.isfinite(t)
+    ]
+    if not times:
+        return None
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"median": statistics.median(times), "p25": quartiles[0], "p75": quartiles[2]}
+
+
+def _metrics(evaluations: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each metric's last value (from the last validation or test run that logged it) beside the baseline's."""
+    ours, theirs = _last_values(evaluations), _last_values(base)
+    found = {}
+    for name in sorted(ours.keys() | theirs.keys()):
+        value, stage = ours.get(name, (None, None))
+        baseline, base_stage = theirs.get(name, (None, None))
+        found[name] = {
+            "stage": stage or base_stage,
+            "value": value,
+            "baseline": baseline,
+            "difference": None if value is None or baseline is None else value - baseline,
+            "relative_difference": _relative(value, baseline),
+        }
+    return found
+
+
+def _last_values(evaluations: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
+    values: dict[str, tuple[float, str]] = {}
+    for evaluation in evaluations:
+        for name, value in evaluation["metrics"].items():
+            values[name] = (value, evaluation["stage"])
+    return values
+
+
+def _missing_metric(base: dict[str, Any], metrics: Sequence[Metric]) -> str | None:
+    """A ``--metric`` the baseline never logged: the verdict cannot use it."""
+    logged = sorted(_last_values(base["evaluations"]))
+    for metric in metrics:
+        if metric.name not in logged:
+            return (
+                f"--metric={metric.name!r}: the baseline logged no such metric in validation or test (it logged:"
+                f" {', '.join(logged) or 'none'}). Fix: name one of those, or log it with self.log({metric.name!r}, ...)"
+                " in validation_step or test_step, and give the run a validation or test loader"
+            )
+    return None
+
+
+def _scale_trend(series: dict[str, Any], overflows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the loss scale fared after overflows: whether training went on, and whether the model is the problem."""
+    skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
+    if not skipped and not overflows:
+        return None
+    scales = [(step, s) for step, s in zip(series["step"], series["loss_scale"], strict=True) if s is not None]
+    lowest = min(scales, key=lambda pair: pair[1], default=None)
+    taken_after = [
+        step for step, flag in zip(series["step"], series["skipped"], strict=True) if not flag and step > max(skipped)
+    ] if skipped else []  # fmt: skip
+    recovered = bool(skipped) and bool(taken_after)
+    tail = series["skipped"][-3:]
+    model_problem = (lowest is not None and lowest[1] < MODEL_PROBLEM_SCALE) or (len(tail) == 3 and all(tail))
+    located = next((o for o in reversed(overflows) if o["module"] is not None), None)
+    advice = None
+    if model_problem:
+        where = (
+            f"{located['module']} ({located['phase']}: {located['tensor']}, {located['dtype']})"
+            if located
+            else "an unlocated module"
+        )
+        fell = f"to {lowest[1]:g} at step {lowest[0]}" if lowest else "on every step at the end"
+        advice = (
+            f"the loss scale kept falling ({fell}): a model problem, not fp16's rounding: {where} overflows even with"
+            " the loss unscaled. Fix: keep that module in fp32 (torch AMP: run it under"
+            " torch.autocast(device_type, enabled=False) on .float() inputs; apex O1: amp.register_float_function),"
+            " look for weights or activations that grow (learning rate, missing normalization), or train in"
+            " bf16-mixed (fp32's range, no loss scale)"
+        )
+    return {
+        "lowest_loss_scale": None if lowest is None else lowest[1],
+        "lowest_at_step": None if lowest is None else lowest[0],
+        "recovered": recovered,
+        "model_problem": model_problem,
+        "advice": advice,
+    }
+
+
+def _noise_floor(noise: dict[str, Any]) -> dict[str, Any]:
+    summary = noise["summary"]
+    return {
+        "candidate": noise["name"],
+        "weight_distance": summary["weight_distance"],
+        "weight_distances": noise["series"]["weight_distance"],
+        "final_loss_relative_difference": summary["final_loss_relative_difference"],
+        "max_relative_loss_difference": summary["max_relative_loss_difference"],
+        "step_time_ratio": summary["step_time_ratio"],
+        "peak_memory_ratio": summary["peak_memory_ratio"],
+    }
+
+
+def _spread(base: dict[str, Any], noise: dict[str, Any] | None) -> dict[str, Any]:
+    """How much step time and peak memory move with nothing changed (module docstring)."""
+    times = base["summary"]["step_time_s"]
+    over_steps = (times["p75"] - times["p25"]) / (2 * times["median"]) if times and times["median"] else None
+    between_time = between_memory = None
+    if noise is not None:
+        ratio, memory = noise["summary"]["step_time_ratio"], noise["summary"]["peak_memory_ratio"]
+        between_time = None if ratio is None else abs(ratio - 1)
+        between_memory = None if memory is None else abs(memory - 1)
+    step_time = max((v for v in (over_steps, between_time) if v is not None), default=None)
+    return {
+        "step_time": step_time,
+        "step_time_over_steps": over_steps,
+        "step_time_between_baseline_runs": between_time,
+        "peak_memory": between_memory,
+    }
+
+
+def _call(ratio: float | None, spread: float | None) -> str | None:
+    """``"faster"`` / ``"slower"`` (or less / more, for memory), only outside the spread; None without a spread."""
+    if ratio is None or spread is None:
+        return None
+    if ratio > 1 + spread:
+        return "above"
+    if ratio < 1 - spread:
+        return "below"
+    return "within the spread"
 
 
 def _identical(
@@ -310,20 +559,34 @@ def _identical(
     return all(torch.equal(weights[name], base_weights[name]) for name in weights)
 
 
-def _verdict(summary: dict[str, Any], tolerance: Tolerance) -> tuple[str, str]:
+def _verdict(summary: dict[str, Any], tolerance: Tolerance, metrics: Sequence[Metric] = ()) -> tuple[str, str]:
     reasons = []
     final, distance = summary["final_loss_relative_difference"], summary["weight_distance"]
     if final is None or not math.isfinite(final) or final > tolerance.loss:
-        reasons.append(f"final loss {_percent(final)} from the baseline's (tolerance {_percent(tolerance.loss)})")
+        reasons.append(f"final loss {percent(final)} from the baseline's (tolerance {percent(tolerance.loss)})")
     if distance is None or not math.isfinite(distance) or distance > tolerance.weights:
         reasons.append(
-            f"weights {_percent(distance)} of the baseline's travel away (tolerance {_percent(tolerance.weights)})"
+            f"weights {percent(distance)} of the baseline's travel away (tolerance {percent(tolerance.weights)})"
         )
+    held = []
+    for metric in metrics:
+        found = summary.get("metrics", {}).get(metric.name)
+        if found is None or found["baseline"] is None:
+            continue  # the baseline never logged it: the report's problem says so
+        if found["value"] is None:
+            reasons.append(f"it logged no {metric.name}")
+        elif not metric.within(found["value"], found["baseline"]):
+            reasons.append(
+                f"{metric.name} {found['value']:.6g} against the baseline's {found['baseline']:.6g}"
+                f" (tolerance {metric.tolerance_text()})"
+            )
+        else:
+            held.append(f"{metric.name} {found['value']:.6g} against {found['baseline']:.6g}")
     if reasons:
         return "apart", "; ".join(reasons)
     return "close", (
-        f"final loss {_percent(final)} from the baseline's, weights {_percent(distance)} of its travel away"
-        f" (tolerances {_percent(tolerance.loss)}, {_percent(tolerance.weights)})"
+        f"final loss {percent(final)} from the baseline's, weights {percent(distance)} of its travel away"
+        f" (tolerances {percent(tolerance.loss)}, {percent(tolerance.weights)})" + "".join(f"; {text}" for text in held)
     )
 
 
@@ -381,20 +644,9 @@ def _submodule_distances(
     groups: dict[str, list[str]] = {}
     for name in weights:
         groups.setdefault(name.rpartition(".")[0] or name, []).append(name)
-    return [{"name": module, "distance": _distance(names, weights, base, start)} for module, names in groups.items()]
-
-
-def _distance(
-    names: list[str], weights: dict[str, torch.Tensor], base: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
-) -> float | None:
-    names = [name for name in names if name in base and name in start]
-    if not names:
-        return None
-    apart = math.sqrt(sum(float((weights[n] - base[n]).double().square().sum()) for n in names))
-    travel = math.sqrt(sum(float((base[n] - start[n]).double().square().sum()) for n in names))
-    if travel == 0:
-        return 0.0 if apart == 0 else math.inf
-    return apart / travel
+    return [
+        {"name": module, "distance": weight_distance(weights, base, start, names)} for module, names in groups.items()
+    ]
 
 
 def _relative(value: float | None, reference: float | None) -> float | None:
@@ -419,7 +671,8 @@ def _order(value: float | None) -> float:
     return -1.0 if value is None else math.inf if math.isnan(value) else value
 
 
-def _percent(value: float | None) -> str:
+def percent(value: float | None) -> str:
+    """A fraction as the report says it: ``0.0123`` is ``"1.23%"``; None or not finite is ``"not finite"``."""
     if value is None or not math.isfinite(value):
         return "not finite"
     return f"{100 * value:.3g}%"
@@ -437,6 +690,21 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
+def _hardware() -> str:
+    """What the runs trained on, in a few words: the GPU's name, else the CPU's."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {cpu}"
+
+
 def _apex() -> dict[str, Any] | None:
     """The apex the runs import: where, its version (``"unknown"`` for a build without package metadata, as a
     source checkout on the path), and whether it is this repository's CPU test double; None without apex."""
@@ -447,95 +715,18 @@ def _apex() -> dict[str, Any] | None:
     return {"location": found["location"], "version": version, "test_double": found["test_double"]}
 
 
-def render(report: dict[str, Any]) -> str:
-    """The terminal table: one column per candidate, the baseline first, then each verdict with its reason."""
-    entries = report["candidates"]
-    lines = [f"\ncompare: {len(entries)} runs of {report['steps']} steps at most; baseline {report['baseline']}"]
-    for entry in entries:
-        if entry["turned_off"]:
-            lines.append(
-                f"  {entry['name']}: turned off {', '.join(entry['turned_off'])} (it cannot write into the run's folder)"
-            )
-    if not report["comparable"]:
-        lines += [f"  {e['name']}: FAILED: {e['reason']}" for e in entries if e["status"] == "failed"]
-        lines.append(f"NOT COMPARED: {report['problem']}")
-        return "\n".join(lines)
-    compared = [e for e in entries if e["summary"] is not None]
-    Cell = Callable[[dict[str, Any], dict[str, Any]], str]
-    rows: list[tuple[str, Cell]] = [
-        ("ran as", lambda e, s: str(e["ran_as"])),
-        ("steps", lambda e, s: _steps(e)),
-        ("final loss", lambda e, s: f"{s['final_loss']:.6g}"),
-        ("final loss difference", lambda e, s: _percent(s["final_loss_relative_difference"])),
-        (
-            "max / mean loss difference",
-            lambda e, s: (
-                f"{_percent(s['max_relative_loss_difference'])} / {_percent(s['mean_relative_loss_difference'])}"
-            ),
-        ),
-        ("first step apart", lambda e, s: "-" if s["first_step_apart"] is None else str(s["first_step_apart"])),
-        ("weight distance", lambda e, s: _percent(s["weight_distance"])),
-        (
-            "furthest submodules",
-            lambda e, s: ", ".join(f"{m['name']} {_percent(m['distance'])}" for m in s["submodule_distances"]),
-        ),
-        ("skipped steps", lambda e, s: _skips(s["skipped_steps"])),
-        ("final loss scale", lambda e, s: "-" if s["final_loss_scale"] is None else f"{s['final_loss_scale']:g}"),
-        (
-            "median step time",
-            lambda e, s: (
-                f"{s['median_step_time_s'] * 1000:.3g} ms (x{s['step_time_ratio']:.2f})"
-                if s["median_step_time_s"] and s["step_time_ratio"]
-                else "-"
-            ),
-        ),
-        (
-            "peak memory",
-            lambda e, s: (
-                f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (x{s['peak_memory_ratio']:.2f})"
-                if s["peak_memory_ratio"]
-                else "-"
-            ),
-        ),
-        ("verdict", lambda e, s: e["status"]),
-    ]
-    table = [["", *(e["name"] for e in compared)]] + [
-        [label, *(cell(e, e["summary"]) for e in compared)] for label, cell in rows
-    ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
-    for entry in entries:
-        if entry["status"] in ("identical", "close", "apart"):
-            lines.append(f"{entry['name']}: {entry['status'].upper()}: {entry['reason']}")
-        elif entry["status"] == "failed":
-            lines.append(f"{entry['name']}: FAILED: {entry['reason']}")
-    return "\n".join(lines)
-
-
-def _steps(entry: dict[str, Any]) -> str:
-    steps = entry["series"]["step"]
-    text = f"{len(steps)}" + (f" (from step {steps[0]})" if steps and steps[0] else "")
-    return text + (f", after {entry['restarts']} restart(s)" if entry["restarts"] else "")
-
-
-def _skips(steps: list[int]) -> str:
-    if not steps:
-        return "0"
-    shown = ", ".join(str(step) for step in steps[:5])
-    return f"{len(steps)} ({shown}{', ...' if len(steps) > 5 else ''})"
-
-
 def write(report: dict[str, Any], out: Path) -> int:
     """Write ``compare.json`` and, with matplotlib, ``compare.png``; returns the exit status of ``compare``."""
+
     (out / JSON_FILE).write_text(json.dumps(_finite(report), indent=2))
     print(f"compare: wrote {out / JSON_FILE}")
     if report["comparable"]:
-        if plot(report, out / PNG_FILE) is None:
+        if picture.plot(report, out / PNG_FILE) is None:
             print('compare: no picture: matplotlib is not installed (pip install "lightning-ddp-amp[compare]")')
         else:
             print(f"compare: wrote {out / PNG_FILE}")
     statuses = {entry["status"] for entry in report["candidates"]}
-    if not report["comparable"]:
+    if not report["comparable"] or report["problem"]:
         return 2
     return 1 if statuses & {"apart", "failed"} else 0
 
@@ -549,37 +740,3 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite(item) for item in value]
     return value
-
-
-def plot(report: dict[str, Any], path: Path) -> Any:
-    """Draw the four panels of :data:`PANELS` into ``path``; returns the figure, or None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot
-    except ImportError:
-        return None
-    figure, axes = pyplot.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    entries = [entry for entry in report["candidates"] if entry["summary"] is not None]
-    for axis, (title, key) in zip(axes.flat, PANELS, strict=True):
-        axis.set_title(title)
-        axis.set_xlabel("step")
-        for entry in entries:
-            series = entry["series"]
-            values = [math.nan if v is None else v for v in series[key]]
-            (line,) = axis.plot(series["step"], values, label=entry["name"])
-            if key == "loss_scale":
-                skipped = [
-                    (step, v) for step, v, flag in zip(series["step"], values, series["skipped"], strict=True) if flag
-                ]
-                if skipped:
-                    axis.plot(
-                        *zip(*skipped, strict=True), "x", color=line.get_color(), label=f"_{entry['name']} skipped"
-                    )
-        if key == "loss_scale":
-            axis.set_yscale("log", base=2)
-        axis.legend()
-    figure.savefig(path, dpi=100)
-    pyplot.close(figure)
-    return figure

@@ -1,0 +1,122 @@
+"""``compare.png``: the runs' series in eight panels, under a title that says what ran where, with each verdict.
+
+Differences are drawn in percent, as the terminal says them; the step-time panel leaves out each run's first step
+(warm-up) and the steps slowed by the weight-distance measurement, as the step-time statistics do.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from lightning_ddp_amp.compare.recorder import timed_steps
+
+#: The panels, in order: title, and the series key each plots (``metrics``: every validation and test metric).
+PANELS = (
+    ("Loss", "loss"),
+    ("Loss difference to the baseline (%)", "relative_loss_difference"),
+    ("Weight distance to the baseline (% of its travel)", "weight_distance"),
+    ("Loss scale (x: skipped step)", "loss_scale"),
+    ("Gradient norm (after unscaling)", "grad_norm"),
+    ("Learning rate", "lr"),
+    ("Step time (ms), without warm-up", "step_time_s"),
+    ("Validation and test metrics", "metrics"),
+)
+#: Multiplies a series for drawing: fractions are drawn in percent, seconds in milliseconds.
+SCALE = {"relative_loss_difference": 100.0, "weight_distance": 100.0, "step_time_s": 1000.0}
+
+
+def points(entry: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
+    """The (x, y) a panel draws for one run: a missing or non-finite value is a gap (NaN)."""
+    series = entry["series"]
+    factor = SCALE.get(key, 1.0)
+    if key == "weight_distance":
+        pairs = [(step, value) for step, value in series[key]]
+    elif key == "step_time_s":
+        pairs = timed_steps(series)
+    else:
+        pairs = list(zip(series["step"], series[key], strict=True))
+    xs = [float(step) for step, _ in pairs]
+    ys = [math.nan if v is None or not math.isfinite(v) else v * factor for _, v in pairs]
+    return xs, ys
+
+
+def plot(report: dict[str, Any], path: Path) -> Any:
+    """Draw :data:`PANELS` into ``path``; returns the figure, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError:
+        return None
+    figure, axes = pyplot.subplots(4, 2, figsize=(14, 16), constrained_layout=True)
+    figure.suptitle(_title(report), fontsize=10)
+    entries = [entry for entry in report["candidates"] if entry["series"] is not None]
+    for axis, (title, key) in zip(axes.flat, PANELS, strict=True):
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        if key == "metrics":
+            _metrics(axis, entries)
+            continue
+        for entry in entries:
+            if key in ("relative_loss_difference", "weight_distance") and (
+                entry["status"] == "baseline" or entry["summary"] is None
+            ):
+                continue  # nothing to draw: the baseline itself, or a run never compared
+            xs, ys = points(entry, key)
+            (line,) = axis.plot(xs, ys, label=_label(entry), marker="o" if key == "weight_distance" else None)
+            if key == "loss_scale":
+                skipped = [(x, y) for x, y, flag in zip(xs, ys, entry["series"]["skipped"], strict=True) if flag]
+                if skipped:
+                    axis.plot(
+                        *zip(*skipped, strict=True), "x", color=line.get_color(), label=f"_{entry['name']} skipped"
+                    )
+        if key == "weight_distance":
+            axis.axhline(100 * report["tolerance"]["weights"], color="red", linestyle="--", label="_tolerance")
+            axis.annotate("tolerance", (0, 100 * report["tolerance"]["weights"]), xycoords=("axes fraction", "data"))
+        if key == "relative_loss_difference":  # symlog: rounding's 0.001% and the tolerance's 2% both readable
+            axis.axhline(100 * report["tolerance"]["loss"], color="red", linestyle="--", label="_tolerance")
+            axis.set_yscale("symlog", linthresh=1e-3)
+        if key in ("loss_scale", "grad_norm"):
+            axis.set_yscale("log", base=2 if key == "loss_scale" else 10)
+        if axis.get_lines():
+            axis.legend(fontsize=8)
+    figure.savefig(path, dpi=80)
+    pyplot.close(figure)
+    return figure
+
+
+def _metrics(axis: Any, entries: list[dict[str, Any]]) -> None:
+    """Each logged metric over the evaluation runs' steps: a colour per run, a marker per metric."""
+    names = sorted({name for entry in entries for e in entry["evaluations"] for name in e["metrics"]})
+    if not names:
+        axis.text(0.5, 0.5, "no metric was logged in validation or test", ha="center", transform=axis.transAxes)
+        return
+    markers = "osd^v<>p*h"
+    for index, entry in enumerate(entries):
+        for n, name in enumerate(names):
+            found = [(e["step"], e["metrics"][name]) for e in entry["evaluations"] if name in e["metrics"]]
+            if found:
+                axis.plot(
+                    *zip(*found, strict=True), marker=markers[n % len(markers)], color=f"C{index}",
+                    label=f"{entry['name']}: {name}",
+                )  # fmt: skip
+    axis.legend(fontsize=8)
+
+
+def _label(entry: dict[str, Any]) -> str:
+    return f"{entry['name']} ({entry['status']})"
+
+
+def _title(report: dict[str, Any]) -> str:
+    versions = report["versions"]
+    lightning = versions.get("lightning") or versions.get("pytorch-lightning")
+    apex = f", apex {versions['apex']}" if versions.get("apex") else ""
+    return (
+        f"{textwrap.fill(shlex.join(report['command']), 160)}\n{report.get('hardware', '')} · torch"
+        f" {versions['torch']} · Lightning {lightning} · lightning-ddp-amp {versions.get('lightning-ddp-amp')}{apex}"
+    )
