@@ -3,9 +3,10 @@
     python benchmarks/compare_overhead.py                  # CPU (or the GPU, when there is one), ~1 minute
     python benchmarks/compare_overhead.py --steps 400 --rounds 5 --width 1024
 
-The recording keeps its values on the device and reads nothing back until ``fit`` ends, so the difference should be
-the work itself: one gradient norm per step (a norm per parameter tensor, then one of those), a clone of the loss,
-and two timestamps. Rounds interleave the two variants; per-step time is the median interval between consecutive
+The recording keeps its values on the device until ``fit`` ends, and reads back one per step (whether the gradient
+norm is finite, for the overflow locator), so the difference should be the work itself: one gradient norm per step
+(a norm per parameter tensor, then one of those), a clone of the loss, the random state taken before each batch,
+that one read, and two timestamps. Weight snapshots are off here (the plan names no baseline folder). Rounds interleave the two variants; per-step time is the median interval between consecutive
 batch ends after warm-up. Writes ``results/compare_overhead.json`` and ``.md``.
 """
 
@@ -65,7 +66,7 @@ def fit(recorded: bool, args: argparse.Namespace, folder: str) -> float:
     callbacks: list[Any] = [clock]
     if recorded:
         plan = Plan("benchmark", args.precision, args.steps, folder)
-        callbacks.append(type("CompareRecording", (Recording, L.Callback), {})(plan, Changes()))
+        callbacks.append(type("CompareRecording", (Recording, L.Callback), {"_pl": L.pytorch})(plan, Changes()))
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
