@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU half of the checks, sized for the GPU machine a session is sometimes lent (one GPU, no network, nothing
-# pip-installed, about 15 minutes in all): at most GPU_CHECK_SECONDS (290) seconds, in parts that each have their
+# pip-installed, about 15 minutes in all): at most GPU_CHECK_SECONDS (340) seconds, in parts that each have their
 # own timeout and write their results as they finish, so a run stopped from outside keeps the finished parts.
 #
 #   bash scripts/gpu_check.sh        # in the repository root; PYTHON=... to choose the interpreter
@@ -14,6 +14,8 @@
 #   env        5 s  torch, CUDA, the GPUs and apex as this machine has them; without CUDA the rest is skipped
 #   apex      60 s  envddp with apex O1 (overflow at step 3), O2, O3 against the hand-written apex recipe, one rank
 #   native    35 s  AmpPrecision native fp16 (overflow at step 3) and bf16 against the hand-written native recipe
+#   overflow  30 s  compare's overflow locator on CUDA fp16: tests/workers/compare_train.py's net.2 leaves fp16's
+#                   range at step 5; native-O1 (and apex-O1 with apex) must skip it and name net.2, float16
 #   benchmark 50 s  step time of fp32, native fp16/bf16 and apex O1/O2/O3 on a small conv net (60 s budget)
 #   rest      25 s  the other CUDA tests of tests/test_cuda.py (device pinning, the doctor); two-GPU tests skip
 #   compare   45 s  `lightning-ddp-amp compare apex-O1 native-O1 amp-O1 bf16-mixed` on examples/two_models_one_optimizer.py
@@ -24,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
-TOTAL=${GPU_CHECK_SECONDS:-290}
+TOTAL=${GPU_CHECK_SECONDS:-340}
 RESULTS=${OUT:+$OUT/gpu_check}
 RESULTS=${RESULTS:-$ROOT/gpu_check_results}
 mkdir -p "$RESULTS"
@@ -102,6 +104,21 @@ else
     note apex "skipped: no .apex-src/apex (real NVIDIA apex 25.05 is not carried to this machine)"
 fi
 part native 70 "${PYTEST[@]}" -k native_amp_matches --junitxml="$RESULTS/native.xml"
+OVERFLOWING=(native-O1)
+[[ -n $APEX ]] && OVERFLOWING+=(apex-O1)
+part overflow 50 bash -c '"$0" -m lightning_ddp_amp compare 32-true "${@:2}" --steps 12 --out "$1" \
+    -- "$0" tests/workers/compare_train.py --accelerator cuda --gain 1e5 --gain-at 5 --val-every 4
+rc=$?; [[ $rc == 0 || $rc == 1 ]] || exit "$rc"  # 1: a candidate apart, as an fp16 skip may make it
+"$0" - "$1/compare.json" <<"PY"
+import json, sys
+report = json.load(open(sys.argv[1]))
+for entry in report["candidates"][1:]:
+    found = [(o["step"], o["module"], o["phase"], o["dtype"]) for o in entry["overflows"]]
+    print(entry["name"], entry["status"], found, entry["summary"]["scale_trend"])
+    assert found == [(5, "net.2", "forward", "torch.float16")], found
+    assert entry["summary"]["scale_trend"]["recovered"]
+print("overflow located on CUDA:", [e["name"] for e in report["candidates"][1:]])
+PY' "$PYTHON" "$RESULTS/overflow" "${OVERFLOWING[@]}"
 part benchmark 80 "$PYTHON" benchmarks/gpu.py --budget 60 --results "$RESULTS"
 part rest 60 "${PYTEST[@]}" -m "cuda and not apex" -k "not native_amp_matches" --junitxml="$RESULTS/rest.xml"
 if [[ -n $APEX ]]; then

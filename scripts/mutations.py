@@ -179,6 +179,14 @@ MUTATIONS = (
         "    return _hash_tensors({})\n",
         ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_first_batch_its_run_trained",),
     ),
+    Mutation(
+        "recorder-empty-weights-hash",
+        "the recorder writes the hash of nothing as the starting weights', so unseeded runs seem to start alike",
+        "compare/recorder.py",
+        "                self.weights_hash = _hash_tensors(state)\n",
+        "                self.weights_hash = _hash_tensors({})\n",
+        ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_weights_its_run_started_from",),
+    ),
     # --- reduce: what sync_dist logging gets back -------------------------------------------------------------
     Mutation(
         "reduce-integer-mean-float64",
@@ -264,6 +272,39 @@ MUTATIONS = (
         '    optimizer["step"]["total"].update(ready=global_step, completed=global_step)\n',
         "",
         ("tests/test_migrate.py", "-k", "carried"),
+    ),
+    # --- compare: the evidence to leave apex ------------------------------------------------------------------------
+    Mutation(
+        "overflow-rerun-keeps-its-statistics",
+        "training an overflowing step again leaves its batchnorm statistics behind: the run under compare changes",
+        "compare/overflow.py",
+        "                    buffer.copy_(buffers[name])\n",
+        "                    pass\n",
+        ("tests/test_overflow.py", "-k", "changes_no_weight"),
+    ),
+    Mutation(
+        "overflow-names-the-container",
+        "the overflow locator names the last module to finish (the container) instead of the innermost one",
+        "compare/overflow.py",
+        "                if self.forward is None and not bool(torch.isfinite(tensor).all()):\n",
+        "                if not bool(torch.isfinite(tensor).all()):\n",
+        ("tests/test_overflow.py", "-k", "forward_overflow"),
+    ),
+    Mutation(
+        "noise-floor-not-perturbed",
+        "the noise-floor run repeats the baseline bit for bit: a floor of 0 that says nothing",
+        "compare/recorder.py",
+        "                if self.plan.perturb:\n                    _one_ulp_up(pl_module)\n",
+        "",
+        ("tests/test_compare.py", "-k", "noise_floor_run"),
+    ),
+    Mutation(
+        "metrics-from-training-too",
+        "a validation run's record also holds what training logged",
+        "_lightning.py",
+        '    values = results.metrics(on_step=False)["callback"]\n',
+        "    values = trainer.callback_metrics\n",
+        ("tests/test_lightning_internals.py", "-k", "evaluation_metrics"),
     ),
 )
 
