@@ -287,10 +287,13 @@ def test_the_picture_has_eight_titled_panels_whose_series_equal_the_json_under_a
     assert "lightning-ddp-amp compare 32-true 32-true" in title and f"torch {torch.__version__}" in title
     assert report["hardware"] in title and "apex test double" in title
     assert [axis.get_title() for axis in figure.axes] == [title for title, _ in compare_picture.PANELS]
+    colours: dict[str, set[str]] = {}  # a run is one colour in every panel, whichever runs a panel leaves out
     for axis, (name, key) in zip(figure.axes, compare_picture.PANELS, strict=True):
         if key == "metrics":
             continue
         lines = {line.get_label(): line for line in axis.get_lines() if not line.get_label().startswith("_")}
+        for label, line in lines.items():
+            colours.setdefault(label, set()).add(str(line.get_color()))
         drawn = ["32-true#2", "32-true#3", "32-true#4", "32-true#5"]  # the crashed #4 keeps the step it took
         if key not in ("relative_loss_difference", "weight_distance"):
             drawn.insert(0, "32-true")
@@ -307,6 +310,8 @@ def test_the_picture_has_eight_titled_panels_whose_series_equal_the_json_under_a
     series = candidate(report, "32-true#3")["series"]
     assert differences == pytest.approx([100 * v for v in series["relative_loss_difference"]])
     assert compare_picture.points(candidate(report, "32-true"), "step_time_s")[0][0] == 1
+    assert all(len(found) == 1 for found in colours.values()), colours
+    assert len({colour for found in colours.values() for colour in found}) == len(colours)
     tolerance = [line for line in figure.axes[2].get_lines() if line.get_label() == "_tolerance"]
     assert list(tolerance[0].get_ydata()) == [100 * report["tolerance"]["weights"]] * 2
 

@@ -25,6 +25,8 @@ PANELS = (
     ("Step time (ms), without warm-up", "step_time_s"),
     ("Validation and test metrics", "metrics"),
 )
+#: Characters of the command per title line: about what 14 inches hold at the title's 10 points.
+TITLE_WIDTH = 175
 #: Multiplies a series for drawing: fractions are drawn in percent, seconds in milliseconds.
 SCALE = {"relative_loss_difference": 100.0, "weight_distance": 100.0, "step_time_s": 1000.0}
 
@@ -56,11 +58,12 @@ def plot(report: dict[str, Any], path: Path) -> Any:
     figure, axes = pyplot.subplots(4, 2, figsize=(14, 16), constrained_layout=True)
     figure.suptitle(_title(report), fontsize=10)
     entries = [entry for entry in report["candidates"] if entry["series"] is not None]
+    colours = {entry["name"]: f"C{index}" for index, entry in enumerate(entries)}  # a run's colour in every panel
     for axis, (title, key) in zip(axes.flat, PANELS, strict=True):
         axis.set_title(title)
         axis.set_xlabel("step")
         if key == "metrics":
-            _metrics(axis, entries)
+            _metrics(axis, entries, colours)
             continue
         for entry in entries:
             if key in ("relative_loss_difference", "weight_distance") and (
@@ -68,16 +71,19 @@ def plot(report: dict[str, Any], path: Path) -> Any:
             ):
                 continue  # nothing to draw: the baseline itself, or a run never compared
             xs, ys = points(entry, key)
-            (line,) = axis.plot(xs, ys, label=_label(entry), marker="o" if key == "weight_distance" else None)
+            colour = colours[entry["name"]]
+            marker = "o" if key == "weight_distance" else None
+            axis.plot(xs, ys, label=_label(entry), color=colour, marker=marker)
             if key == "loss_scale":
                 skipped = [(x, y) for x, y, flag in zip(xs, ys, entry["series"]["skipped"], strict=True) if flag]
                 if skipped:
-                    axis.plot(
-                        *zip(*skipped, strict=True), "x", color=line.get_color(), label=f"_{entry['name']} skipped"
-                    )
+                    axis.plot(*zip(*skipped, strict=True), "x", color=colour, label=f"_{entry['name']} skipped")
         if key == "weight_distance":
             axis.axhline(100 * report["tolerance"]["weights"], color="red", linestyle="--", label="_tolerance")
-            axis.annotate("tolerance", (0, 100 * report["tolerance"]["weights"]), xycoords=("axes fraction", "data"))
+            axis.annotate(
+                "tolerance", (1, 100 * report["tolerance"]["weights"]), xycoords=("axes fraction", "data"),
+                ha="right", va="bottom", color="red",
+            )  # fmt: skip
         if key == "relative_loss_difference":  # symlog: rounding's 0.001% and the tolerance's 2% both readable
             axis.axhline(100 * report["tolerance"]["loss"], color="red", linestyle="--", label="_tolerance")
             axis.set_yscale("symlog", linthresh=1e-3)
@@ -90,19 +96,19 @@ def plot(report: dict[str, Any], path: Path) -> Any:
     return figure
 
 
-def _metrics(axis: Any, entries: list[dict[str, Any]]) -> None:
+def _metrics(axis: Any, entries: list[dict[str, Any]], colours: dict[str, str]) -> None:
     """Each logged metric over the evaluation runs' steps: a colour per run, a marker per metric."""
     names = sorted({name for entry in entries for e in entry["evaluations"] for name in e["metrics"]})
     if not names:
         axis.text(0.5, 0.5, "no metric was logged in validation or test", ha="center", transform=axis.transAxes)
         return
     markers = "osd^v<>p*h"
-    for index, entry in enumerate(entries):
+    for entry in entries:
         for n, name in enumerate(names):
             found = [(e["step"], e["metrics"][name]) for e in entry["evaluations"] if name in e["metrics"]]
             if found:
                 axis.plot(
-                    *zip(*found, strict=True), marker=markers[n % len(markers)], color=f"C{index}",
+                    *zip(*found, strict=True), marker=markers[n % len(markers)], color=colours[entry["name"]],
                     label=f"{entry['name']}: {name}",
                 )  # fmt: skip
     axis.legend(fontsize=8)
@@ -117,6 +123,6 @@ def _title(report: dict[str, Any]) -> str:
     lightning = versions.get("lightning") or versions.get("pytorch-lightning")
     apex = f", apex {versions['apex']}" if versions.get("apex") else ""
     return (
-        f"{textwrap.fill(shlex.join(report['command']), 160)}\n{report.get('hardware', '')} · torch"
+        f"{textwrap.fill(shlex.join(report['command']), TITLE_WIDTH)}\n{report.get('hardware', '')} · torch"
         f" {versions['torch']} · Lightning {lightning} · lightning-ddp-amp {versions.get('lightning-ddp-amp')}{apex}"
     )
