@@ -81,6 +81,8 @@ def main() -> None:
     if rank == 0:
         state = {"model_a": model_a.module.state_dict(), "model_b": model_b.module.state_dict()}
         torch.save({**state, "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}, args.checkpoint)
+    # Free the DDP models first: their reducers hold the group, and gloo's teardown at exit can abort the process.
+    del model_a, model_b
     dist.destroy_process_group()
 
 
