@@ -21,8 +21,8 @@ CORE_TESTS := tests/test_multiprocess.py tests/test_amp_multiprocess.py tests/te
 LOWEST_LEAVES_OUT := --ignore=tests/test_faults.py --ignore=tests/test_multiprocess.py --ignore=tests/test_packaging.py \
 	--ignore=tests/test_examples.py --ignore=tests/test_readme.py --ignore=tests/test_doctor.py
 LOWEST_TESTS := -k "not exit_zero_every_time and not close_on_the_example_under_torchrun" $(LOWEST_LEAVES_OUT)
-# What the newest-torch leg leaves out of the core: legs a and c run both.
-NEWEST_CORE := $(filter-out tests/test_examples.py tests/test_faults.py,$(CORE_TESTS))
+# What the newest-torch leg leaves out of the core: legs a and c run it.
+NEWEST_CORE := $(filter-out tests/test_faults.py,$(CORE_TESTS))
 # The ten-run exit-code loop runs on torch 2.1 only, where a finished run could hang at exit (pytorch/pytorch#154976).
 WITHOUT_EXIT_LOOP := -k "not exit_zero_every_time"
 REPORTS := build/test-reports
