@@ -435,6 +435,20 @@ def test_the_report_sets_each_metrics_last_value_beside_the_baselines_and_metric
     assert close["candidates"][1]["status"] == "close"
 
 
+def test_a_metric_the_baseline_never_logged_stops_compare_before_any_other_run(tmp_path: Path) -> None:
+    result = run_compare(
+        tmp_path, "32-true", "bf16-mixed", "--steps", "4", "--metric", "val_acc", "--out", "out",
+        *script("--val-every", "2"),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "compare: the baseline never logged a --metric: no other run is started" in result.stdout
+    assert "it logged: val_loss, val_within" in " ".join(result.stdout.split())
+    assert "compare [2/2]" not in result.stdout and not (tmp_path / "out" / "2-bf16-mixed").exists()
+    assert (tmp_path / "out" / "1-32-true" / "record.json").is_file()
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert [entry["name"] for entry in report["candidates"]] == ["32-true"] and report["problem"]
+
+
 def test_a_metric_the_baseline_never_logged_is_a_problem_naming_those_it_did(
     overflows: Overflows, tmp_path: Path
 ) -> None:
@@ -555,6 +569,17 @@ def test_step_time_and_memory_are_called_faster_or_slower_only_outside_their_spr
         assert summary["step_time_call"] == expected, entry["name"]
         said = {"above": "slower", "below": "faster", "within the spread": "not faster or slower"}[expected]
         assert any(f"x{ratio:.2f}: {said}" in line for line in block(overflows.result.stdout, entry["name"]))
+
+
+def test_a_baseline_with_fewer_than_four_timed_steps_has_no_step_time_spread_and_calls_nothing() -> None:
+    def entry(times: list[float]) -> dict[str, Any]:
+        series = {"step": list(range(len(times))), "step_time_s": times, "slowed_steps": []}
+        return {"series": series, "summary": {"step_time_s": compare_report._step_times(series)}}
+
+    assert compare_report._spread(entry([0.5, 0.01, 0.01, 0.01]), None)["step_time"] is None  # 3 timed: quartiles 0
+    assert compare_report._call(1.5, None) is None
+    spread = compare_report._spread(entry([0.5, 0.01, 0.01, 0.02, 0.02]), None)["step_time"]
+    assert spread == pytest.approx((0.02 - 0.01) / (2 * 0.015))
 
 
 def test_the_weight_distance_is_measured_at_each_snapshot_against_the_baselines_weights_there(
@@ -922,6 +947,19 @@ def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
     )
 
 
+def test_a_run_that_fails_after_its_fit_keeps_the_fits_steps_and_evaluations(
+    learning_rates: LearningRates, tmp_path: Path
+) -> None:
+    base, other = recorded_copies(learning_rates, tmp_path)
+    failed = Candidate("other", "32-true", other.command, other.directory, returncode=1)  # e.g. its trainer.test raised
+    report = compare_report.build([base, failed], compare_report.Tolerance(), steps=STEPS, argv=[])
+    entry, baseline = candidate(report, "other"), candidate(report, "base")
+    assert entry["status"] == "failed" and entry["reason"].startswith("the command exited with status 1")
+    assert entry["series"]["loss"] == baseline["series"]["loss"] and len(entry["series"]["step"]) == STEPS
+    assert entry["evaluations"] == baseline["evaluations"]
+    assert f"(after {STEPS} steps, kept in compare.json)" in " ".join(terminal.render(report).split())
+
+
 def test_an_unreadable_ckpt_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     (tmp_path / "broken.ckpt").write_text("not a checkpoint")
     with pytest.raises(SystemExit):
@@ -1039,6 +1077,88 @@ def test_the_final_weights_of_apex_o2_are_its_fp32_masters(apex_double: ModuleTy
     for name, param in module.named_parameters():
         master = masters[id(param)]
         assert torch.equal(weights[name], master) and weights[name].data_ptr() == master.data_ptr()  # the master
+
+
+@needs_cpu_fp16
+def test_a_scaler_not_yet_used_reads_its_initial_scale_so_an_overflow_at_the_first_step_is_a_skip() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    before = compare_recorder._loss_scale(plugin)  # what the recorder reads before the first backward
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    plugin.scaler.scale((weight * float("inf")).sum()).backward()
+    plugin.scaler.step(optimizer)
+    plugin.scaler.update()
+    after = compare_recorder._loss_scale(plugin)
+    assert isinstance(before, torch.Tensor) and float(before) == 1024.0
+    assert isinstance(after, torch.Tensor) and bool(after < before)  # the recorder's skip: the scaler backed off
+    assert torch.equal(weight.detach(), torch.ones(1))
+
+
+def test_a_later_trainers_test_joins_the_first_fits_record_and_a_second_fit_records_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sys.path.insert(0, str(WORKERS))
+    try:
+        from compare_train import build
+    finally:
+        sys.path.remove(str(WORKERS))
+    for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
+        monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
+    compare_recorder.Plan("c", "32-true", 6, str(tmp_path)).write(tmp_path / "plan.json")
+    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
+    model, loader = build(0.1)
+    test_loader = torch.utils.data.DataLoader(list(loader.dataset)[:16], batch_size=8)
+    pl.Trainer(max_epochs=50, default_root_dir=tmp_path, **quiet).fit(model, loader)
+    record = tmp_path / compare_recorder.RECORD_FILE
+    fitted = json.loads(record.read_text())
+    final = (tmp_path / FINAL_WEIGHTS).read_bytes()
+    tested = pl.Trainer(devices=1, default_root_dir=tmp_path, **quiet).test(model, test_loader)  # Lightning's advice
+    pl.Trainer(max_epochs=60, default_root_dir=tmp_path, **quiet).fit(model, loader)  # a fine-tuning fit
+    again = json.loads(record.read_text())
+    assert again["evaluations"] == [{"stage": "test", "step": 6, "metrics": tested[0]}]
+    assert again["ranks"] == fitted["ranks"] and len(again["ranks"][0]["step"]) == 6
+    assert (tmp_path / FINAL_WEIGHTS).read_bytes() == final
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization stepping two optimizers a batch, as a GAN does: the global step goes up by two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            self.manual_backward(self.b(self.a(batch[0])).square().mean())
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+
+def test_snapshots_are_taken_at_the_first_batch_past_them_when_the_step_goes_up_by_two(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
+        monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
+    plan = compare_recorder.Plan(  # the baseline: it keeps its weights at each snapshot
+        "c", "32-true", 6, str(tmp_path), save_start=True, snapshots=(3, 5), baseline_directory=str(tmp_path)
+    )
+    plan.write(tmp_path / "plan.json")
+    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
+    pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet).fit(TwoOptimizers(), loader)
+    saved = sorted(path.name for path in tmp_path.glob("weights-step*.pt"))
+    assert saved == [compare_recorder.snapshot_file(4), compare_recorder.snapshot_file(6)]
+    rank = json.loads((tmp_path / compare_recorder.RECORD_FILE).read_text())["ranks"][0]
+    assert rank["slowed_steps"] == [4, 6] and rank["step"][-1] == 5
 
 
 def test_a_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:

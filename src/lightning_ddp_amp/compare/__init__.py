@@ -185,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             snapshots, str(candidates[0].directory), perturb=candidate.role == "noise floor",
         )  # fmt: skip
         candidate.returncode = _run(candidate, plan)
+        if index == 0 and compare_report.missing_metric(candidate, args.metric):
+            print("compare: the baseline never logged a --metric: no other run is started", flush=True)
+            candidates = candidates[:1]
+            break
     report = compare_report.build(candidates, args.tolerance, steps=args.steps, argv=argv, metrics=args.metric)
     print(terminal.render(report))
     return compare_report.write(report, out)

@@ -330,11 +330,16 @@ class Recording:
 
     #: The Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``), set on the mixed class.
     _pl: Any = None
+    #: The recording of the process's first ``fit``, set on the mixed class: the one that writes the record. A later
+    #: Trainer's (``Trainer(devices=1).test(model)`` after a DDP fit) validation and test runs are added to it.
+    _first: Recording | None = None
 
     def __init__(self, plan: Plan, changes: Changes) -> None:
         self.plan = plan
         self.changes = changes
-        self._active = False
+        self._active = False  # this recording's Trainer runs the process's first fit
+        self._finished = False  # that fit ended (on every rank): nothing more is recorded as training
+        self._final_step: int | None = None  # the global step that fit ended at
         self.weights_hash: str | None = None
         self.batch_hash: str | None = None
         self._pending_loss: Tensor | None = None
@@ -352,7 +357,8 @@ class Recording:
         self._batch: tuple[Any, int, tuple[Tensor, Tensor | None]] | None = None  # for locating an overflow
         self._overflows: list[dict[str, Any]] = []
         self._distances: list[tuple[int, float | None]] = []  # (global step, weight distance to the baseline's)
-        self._snapshot_steps: list[int] = []
+        self._snapshot_steps: list[int] = []  # the global steps the weights were measured at
+        self._snapshots_reached: list[int] = []  # the plan's snapshots those measurements stand for
         self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
         self._evaluations: list[dict[str, Any]] = []
         self._document: dict[str, Any] | None = None
@@ -360,8 +366,9 @@ class Recording:
     # -- hooks -------------------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit" or self._active:
-            return  # only the first fit is recorded
+        if stage != "fit" or type(self)._first is not None:
+            return  # only the process's first fit is recorded
+        type(self)._first = self
         self._active = True
         # ModelCheckpoints of LightningModule.configure_callbacks() joined the Trainer inside fit, before this hook.
         _redirect_checkpoints(trainer, self.plan, self.changes, self._pl)
@@ -401,7 +408,13 @@ class Recording:
             _shadow(plugin, "convert_input", hashed_convert_input),
         ]
 
+    def _training(self) -> bool:
+        """Whether this is the first fit, still going: any later fit, of this Trainer or another, is not recorded."""
+        return self._active and not self._finished
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self._training():
+            return
         if self.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
             self.batch_hash = _hash_batch(batch)
         if self._opened is None:
@@ -412,6 +425,8 @@ class Recording:
             self._batch = (batch, batch_idx, (torch.get_rng_state(), cuda_rng))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if not self._training():
+            return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) for grad in grads]
         device = grads[0].device if grads else pl_module.device
@@ -447,7 +462,7 @@ class Recording:
             )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self._stepped:
+        if not self._training() or not self._stepped:
             return  # an accumulation window goes on
         closed = _now(pl_module.device)
         plugin = trainer.precision_plugin
@@ -465,7 +480,9 @@ class Recording:
         self._opened = None
         self._batch = None
         done = int(trainer.global_step)
-        if done in self.plan.snapshots and done not in self._snapshot_steps:
+        due = [step for step in self.plan.snapshots if step <= done and step not in self._snapshots_reached]
+        if due:  # the first batch at or past a snapshot: steps go up by more than one where two optimizers step
+            self._snapshots_reached += due
             self._snapshot_steps.append(done)
             self._snapshot(trainer, pl_module, done)
 
@@ -496,14 +513,17 @@ class Recording:
         """Keep what the script logged in this validation or test run, as rank 0 holds it (what loggers write)."""
         if trainer.sanity_checking or trainer.global_rank != 0:
             return
+        owner = type(self)._first or self  # the first fit's recording, whichever Trainer evaluates
         metrics = _fence(self._pl).evaluation_metrics(trainer)
-        self._evaluations.append({"stage": stage, "step": int(trainer.global_step), "metrics": metrics})
-        if self._document is not None:  # a validate or test after fit: the record is rewritten with it
-            self._write()
+        # Another Trainer's steps start again at 0 (or its checkpoint's): its evaluation is put where the fit ended.
+        step = int(trainer.global_step) if owner is self or owner._final_step is None else owner._final_step
+        owner._evaluations.append({"stage": stage, "step": step, "metrics": metrics})
+        if owner._document is not None:  # a validate or test after fit: the record is rewritten with it
+            owner._write()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """A run that crashes keeps the steps it took: each rank writes its own, since no collective is safe now."""
-        if not self._active or self._document is not None:
+        if not self._training():
             return
         for restore in self._restore:
             restore()
@@ -517,6 +537,9 @@ class Recording:
         path.write_text(json.dumps({**self._header(trainer, 1), "ranks": [record], "crashed": repr(exception)}))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self._training():
+            return
+        self._finished, self._final_step = True, int(trainer.global_step)
         for restore in self._restore:
             restore()
         self._restore = []
@@ -648,9 +671,12 @@ def _loss_scale(plugin: Any) -> Tensor | float | None:
     scaler = getattr(plugin, "scaler", None)  # Lightning's MixedPrecision: torch's GradScaler
     if scaler is None:
         return None
-    # Why the private method: get_scale() syncs. None until the scaler's first scale().
-    tensor = scaler._get_scale_async()
-    return None if tensor is None else tensor.detach().clone()
+    # Why the private method: get_scale() syncs. None until the scaler's first scale(), which the step-0 backward runs
+    # under: then get_scale() is the initial scale, read without a sync.
+    tensor: Tensor | None = scaler._get_scale_async()
+    if tensor is None:
+        return torch.tensor(float(scaler.get_scale())) if scaler.is_enabled() else None
+    return tensor.detach().clone()
 
 
 def _shadow(owner: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:

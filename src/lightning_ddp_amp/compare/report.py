@@ -287,11 +287,14 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
         "overflows": [],
         "summary": None,
     }
-    if record is None:  # a crash keeps the steps taken before it, each rank's own
-        partial = candidate.partial()
-        if partial:
-            entry["series"] = _series(partial)
-            entry["overflows"] = _overflows(partial)
+    if record is None:  # a crash keeps the steps taken before it: the fit's record when it came after the fit
+        finished = candidate.record()
+        ranks = finished["ranks"] if finished is not None else candidate.partial()  # else each rank's own
+        if ranks:
+            entry["series"] = _series(ranks)
+            entry["overflows"] = _overflows(ranks)
+        if finished is not None:
+            entry["evaluations"] = finished.get("evaluations", [])
         return entry
     entry.update(
         world_size=record["world_size"],
@@ -378,13 +381,13 @@ def _summary(
     start: dict[str, torch.Tensor],
 ) -> dict[str, Any]:
     series, base = entry["series"], base_entry["series"]
-    common = [step for step in base["step"] if step in set(series["step"])]
+    ran = set(series["step"])
+    common = [step for step in base["step"] if step in ran]
     ours = dict(zip(series["step"], series["loss"], strict=True))
     theirs = dict(zip(base["step"], base["loss"], strict=True))
     differences: list[float] = [_relative(ours[step], theirs[step]) for step in common]  # type: ignore[misc]
-    series["relative_loss_difference"] = [
-        dict(zip(common, differences, strict=True)).get(step) for step in series["step"]
-    ]
+    by_step = dict(zip(common, differences, strict=True))
+    series["relative_loss_difference"] = [by_step.get(step) for step in series["step"]]
     tail = max(1, len(common) // 10)
     final = _mean([ours[step] for step in common[-tail:]])
     base_final = _mean([theirs[step] for step in common[-tail:]])
@@ -454,6 +457,13 @@ def _last_values(evaluations: list[dict[str, Any]]) -> dict[str, tuple[float, st
     return values
 
 
+def missing_metric(baseline: Candidate, metrics: Sequence[Metric]) -> str | None:
+    """The problem with a ``--metric`` the baseline's finished run never logged, as soon as it has ended: the other
+    runs would be for nothing. None while there is nothing to say (no record: the report says why)."""
+    record = None if baseline.failure() is not None else baseline.record()
+    return None if record is None else _missing_metric({"evaluations": record.get("evaluations", [])}, metrics)
+
+
 def _missing_metric(base: dict[str, Any], metrics: Sequence[Metric]) -> str | None:
     """A ``--metric`` the baseline never logged: the verdict cannot use it."""
     logged = sorted(_last_values(base["evaluations"]))
@@ -518,10 +528,17 @@ def _noise_floor(noise: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: The fewest timed steps (the first and the snapshot-slowed left out) whose quartiles make a step-time spread.
+MIN_TIMED_STEPS = 4
+
+
 def _spread(base: dict[str, Any], noise: dict[str, Any] | None) -> dict[str, Any]:
     """How much step time and peak memory move with nothing changed (module docstring)."""
     times = base["summary"]["step_time_s"]
-    over_steps = (times["p75"] - times["p25"]) / (2 * times["median"]) if times and times["median"] else None
+    timed = sum(1 for _, t in timed_steps(base["series"]) if t is not None and math.isfinite(t))
+    over_steps = None  # fewer timed steps have no spread to speak of: no ratio is called faster or slower on them
+    if times and times["median"] and timed >= MIN_TIMED_STEPS:
+        over_steps = (times["p75"] - times["p25"]) / (2 * times["median"])
     between_time = between_memory = None
     if noise is not None:
         ratio, memory = noise["summary"]["step_time_ratio"], noise["summary"]["peak_memory_ratio"]

@@ -125,7 +125,7 @@ def _block(entry: dict[str, Any], report: dict[str, Any]) -> list[str]:
 
 
 def _row(label: str, text: str) -> str:
-    return f"  {label:<{LABEL}}{text}"
+    return f"  {label:<{LABEL - 1}} {text}"  # a metric's name may be longer than the column: a space still follows
 
 
 def _steps(entry: dict[str, Any]) -> str:
