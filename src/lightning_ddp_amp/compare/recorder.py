@@ -332,14 +332,14 @@ class Recording:
     _pl: Any = None
     #: The recording of the process's first ``fit``, set on the mixed class: the one that writes the record. A later
     #: Trainer's (``Trainer(devices=1).test(model)`` after a DDP fit) validation and test runs are added to it.
-    _first: Recording | None = None
+    first: Recording | None = None
 
     def __init__(self, plan: Plan, changes: Changes) -> None:
         self.plan = plan
         self.changes = changes
         self._active = False  # this recording's Trainer runs the process's first fit
         self._finished = False  # that fit ended (on every rank): nothing more is recorded as training
-        self._final_step: int | None = None  # the global step that fit ended at
+        self.final_step: int | None = None  # the global step that fit ended at
         self.weights_hash: str | None = None
         self.batch_hash: str | None = None
         self._pending_loss: Tensor | None = None
@@ -366,9 +366,9 @@ class Recording:
     # -- hooks -------------------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit" or type(self)._first is not None:
+        if stage != "fit" or type(self).first is not None:
             return  # only the process's first fit is recorded
-        type(self)._first = self
+        type(self).first = self
         self._active = True
         # ModelCheckpoints of LightningModule.configure_callbacks() joined the Trainer inside fit, before this hook.
         _redirect_checkpoints(trainer, self.plan, self.changes, self._pl)
@@ -513,13 +513,17 @@ class Recording:
         """Keep what the script logged in this validation or test run, as rank 0 holds it (what loggers write)."""
         if trainer.sanity_checking or trainer.global_rank != 0:
             return
-        owner = type(self)._first or self  # the first fit's recording, whichever Trainer evaluates
+        owner = type(self).first or self  # the first fit's recording, whichever Trainer evaluates
         metrics = _fence(self._pl).evaluation_metrics(trainer)
         # Another Trainer's steps start again at 0 (or its checkpoint's): its evaluation is put where the fit ended.
-        step = int(trainer.global_step) if owner is self or owner._final_step is None else owner._final_step
-        owner._evaluations.append({"stage": stage, "step": step, "metrics": metrics})
-        if owner._document is not None:  # a validate or test after fit: the record is rewritten with it
-            owner._write()
+        step = int(trainer.global_step) if owner is self or owner.final_step is None else owner.final_step
+        owner.add_evaluation({"stage": stage, "step": step, "metrics": metrics})
+
+    def add_evaluation(self, evaluation: dict[str, Any]) -> None:
+        """Keep a validation or test run's metrics; after fit the record is rewritten with them."""
+        self._evaluations.append(evaluation)
+        if self._document is not None:
+            self._write()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """A run that crashes keeps the steps it took: each rank writes its own, since no collective is safe now."""
@@ -539,7 +543,7 @@ class Recording:
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if not self._training():
             return
-        self._finished, self._final_step = True, int(trainer.global_step)
+        self._finished, self.final_step = True, int(trainer.global_step)
         for restore in self._restore:
             restore()
         self._restore = []
