@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import select
@@ -152,10 +153,25 @@ def apex_without_amp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
+#: Ports handed out start here, below the kernel's ephemeral range (32768 and up on Linux), so that no connection's
+#: own port takes one between the check and the use; each pytest-xdist worker has its own block of PORTS_PER_WORKER,
+#: so two workers never hand out the same port (the OS's "any free port" can: EADDRINUSE in CI, once).
+FIRST_PORT, PORTS_PER_WORKER = 20000, 2000
+_port_count = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = FIRST_PORT + (worker % 6) * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = first + next(_port_count) % PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or in TIME_WAIT from an earlier run
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORTS_PER_WORKER - 1}")
 
 
 @dataclass
