@@ -94,8 +94,8 @@ MUTATIONS = (
         "layout-check-skipped",
         "a mid-epoch position saved with another data set, seed or order is continued instead of refused",
         "ddp/data.py",
-        '        if "world_size" not in saved or differences:\n',
-        '        if "world_size" not in saved:\n',
+        "        if differences:\n",
+        "        if False:\n",
         ("tests/test_resume.py::test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_value",),
     ),
     Mutation(
@@ -162,6 +162,14 @@ MUTATIONS = (
         "    if final is None or not math.isfinite(final) or final > tolerance.loss:\n",
         "    if final is None or not math.isfinite(final) or final < tolerance.loss:\n",
         ("tests/test_compare.py::test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both",),
+    ),
+    Mutation(
+        "compare-percent-tolerance-unscaled",
+        "--metric val_acc:1% is read as a tolerance of 100% (1.0), so any candidate's metric passes",
+        "compare/report.py",
+        '            value = float(tolerance[:-1]) / 100 if tolerance.endswith("%") else float(tolerance)\n',
+        '            value = float(tolerance[:-1]) if tolerance.endswith("%") else float(tolerance)\n',
+        ("tests/test_compare.py::test_a_metric_tolerance_ending_in_percent_is_relative_and_a_number_absolute",),
     ),
     Mutation(
         "compare-batch-hash-unchecked",

@@ -435,6 +435,18 @@ def test_the_report_sets_each_metrics_last_value_beside_the_baselines_and_metric
     assert close["candidates"][1]["status"] == "close"
 
 
+@pytest.mark.parametrize("tolerance", ["1%", "0.01"])
+def test_a_metric_tolerance_ending_in_percent_is_relative_and_a_number_absolute(tolerance: str) -> None:
+    # --metric val_acc:1% is 1% of the baseline's value; val_acc:0.01 the same here, against a baseline of 1.0: half a
+    # percent off is close, one and a half apart.
+    metric = compare_report.Metric.parse(f"val_acc:{tolerance}")
+    assert metric.name == "val_acc" and metric.tolerance_text() == tolerance
+    assert metric.within(1.005, 1.0) and metric.within(0.995, 1.0)
+    assert not metric.within(1.015, 1.0) and not metric.within(0.985, 1.0)
+    # Relative to the baseline's own scale: 1% of 50 is 0.5.
+    assert metric.within(50.4, 50.0) is (tolerance == "1%")
+
+
 def test_a_metric_the_baseline_never_logged_stops_compare_before_any_other_run(tmp_path: Path) -> None:
     result = run_compare(
         tmp_path, "32-true", "bf16-mixed", "--steps", "4", "--metric", "val_acc", "--out", "out",
