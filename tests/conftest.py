@@ -123,7 +123,7 @@ def apex_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
 def cpu_fp16_missing() -> str | None:
     """Why this torch cannot compute in float16 on the CPU, or None when it can (torch 2.3 and later).
 
-    The package's own probe (:func:`lightning_ddp_amp.native_amp.cpu_fp16_missing`), which
+    The package's own probe (:func:`lightning_ddp_amp.amp.native_amp.cpu_fp16_missing`), which
     ``test_torch_features.py`` checks against the torch releases known to have it.
     """
     missing = native_amp.cpu_fp16_missing()

@@ -1,5 +1,8 @@
-"""How the package's modules import one another and Lightning, read from the source (ast, so without importing it).
+"""How the package's modules import one another and Lightning, read from the source (ast, so without importing it),
+and the import paths users are shown.
 
+* Public paths (:data:`PUBLIC`): the names the README and docs import, from the modules they name, are there
+  (the one check here that imports the package).
 * No import cycles: every import counts, at module level, inside functions and under ``if TYPE_CHECKING:``.
 * Layers (:data:`LAYERS`): a module imports only from its own part of the package or from a lower layer, so
   ``launch/`` and ``amp/`` never import each other, ``ddp/`` builds on both, and ``compare/`` on the public package.
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,14 +42,32 @@ NOT_LIGHTNING = {
     "_amp_lazy_init": "apex amp's optimizer hook",
     "_amp_state": "apex amp's module state, which holds O1's handle",
     "_enable_caching": "apex amp's O1 handle: what amp.init(enable_caching=False) sets",
-    "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare_recorder)",
+    "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare.recorder)",
+}
+
+#: The import paths the README and docs show, and the names they import from each.
+PUBLIC = {
+    PACKAGE: (
+        "AmpPrecision",
+        "ApexUnavailableError",
+        "CheckpointError",
+        "EnvDDPStrategy",
+        "LauncherEnvironmentError",
+        "PeerError",
+        "PrecisionConfigurationError",
+        "StrategyConfigurationError",
+        "TopologyMismatchError",
+        "convert_apex_checkpoint",
+    ),
+    f"{PACKAGE}.cli": ("LightningCLI",),
+    f"{PACKAGE}.pytorch_lightning": ("AmpPrecision", "EnvDDPStrategy"),
+    f"{PACKAGE}.pytorch_lightning.cli": ("LightningCLI",),
 }
 
 
 #: The parts of the package, by folder or top-level module ("" is the package's ``__init__``), lowest layer first.
-#: The old module paths (shims that import ``_moved``) are a part of their own, in the top layer.
 LAYERS: list[dict[str, set[str]]] = [
-    {"base": {"errors", "_lightning", "_namespaces", "_moved"}},
+    {"base": {"errors", "_lightning", "_namespaces"}},
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
     {"migrate": {"migrate"}},
@@ -53,7 +75,6 @@ LAYERS: list[dict[str, set[str]]] = [
     {"compare": {"compare"}},
     {"entry points": {"command", "__main__"}},
 ]
-OLD_PATHS = "old paths"
 
 
 def _module_name(path: Path) -> str:
@@ -152,10 +173,8 @@ def test_the_cycle_check_sees_every_kind_of_import(
     assert find_cycle(import_graph()) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.a"]
 
 
-def part_of(module: str, graph: dict[str, set[str]]) -> tuple[int, str]:
+def part_of(module: str) -> tuple[int, str]:
     """The layer and the part of ``module``, one of the package's."""
-    if f"{PACKAGE}._moved" in graph[module] and module != f"{PACKAGE}._moved":
-        return len(LAYERS) - 1, OLD_PATHS
     top = module.removeprefix(PACKAGE).removeprefix(".").split(".")[0]
     for layer, parts in enumerate(LAYERS):
         for part, members in parts.items():
@@ -169,9 +188,9 @@ def layer_violations() -> list[str]:
     graph = import_graph()
     found = []
     for module, imported in sorted(graph.items()):
-        layer, part = part_of(module, graph)
+        layer, part = part_of(module)
         for other in sorted(imported):
-            other_layer, other_part = part_of(other, graph)
+            other_layer, other_part = part_of(other)
             if other_part != part and other_layer >= layer:
                 found.append(f"{module} ({part}) -> {other} ({other_part})")
     return found
@@ -381,3 +400,12 @@ def test_the_fence_checks_find_what_they_look_for(
     found = private_lightning_imports() + foreign_private_attributes()
     assert len(found) == len(expected)
     assert all(word in line for word, line in zip(expected, found, strict=True))
+
+
+@pytest.mark.parametrize(("module", "name"), [(module, name) for module, names in PUBLIC.items() for name in names])
+def test_a_public_name_imports_from_the_path_the_docs_show(module: str, name: str) -> None:
+    if ".pytorch_lightning" in module:
+        pytest.importorskip("pytorch_lightning")
+    imported = importlib.import_module(module)
+    assert name in getattr(imported, "__all__", [name]), f"{module}.__all__ lacks {name}"
+    assert getattr(imported, name).__name__ == name

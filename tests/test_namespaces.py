@@ -23,12 +23,6 @@ pl = pytest.importorskip("pytorch_lightning")
 import lightning_ddp_amp.pytorch_lightning as plugins  # noqa: E402
 
 SOURCE = Path(lightning_ddp_amp.__file__).parent
-#: The old paths of moved modules (lightning_ddp_amp._moved) that the flavour copies too; tests/test_moved.py checks them.
-SHIMS = {
-    module
-    for module in _namespaces.namespaced_modules()
-    if "lightning_ddp_amp._moved" in _namespaces._imports(_namespaces.source_file(module))
-}
 
 
 def test_plugins_derive_from_the_standalone_packages_classes() -> None:
@@ -80,7 +74,7 @@ def _prefixes(name: str) -> set[str]:
     return {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
 
 
-@pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules() - SHIMS))
+@pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules()))
 def test_every_copied_module_imports_in_the_standalone_flavour(module: str) -> None:
     path = _namespaces.source_file(module)
     assert importlib.import_module(f"{_namespaces.NAMESPACE}.{module}").__file__ == str(path)

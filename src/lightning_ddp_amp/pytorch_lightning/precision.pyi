@@ -1,9 +1,0 @@
-# Generated from ../precision.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
-"""Moved to :mod:`lightning_ddp_amp.pytorch_lightning.amp.precision`; this old path warns (:mod:`lightning_ddp_amp._moved`)."""
-
-from typing import TYPE_CHECKING
-
-from lightning_ddp_amp._moved import moved
-
-if TYPE_CHECKING:
-    from lightning_ddp_amp.pytorch_lightning.amp.precision import *  # noqa: F403
