@@ -23,7 +23,6 @@ from test_precision import DATA, TwoModels, fit, fresh_apex_double, trainer
 from torch.utils.data import DataLoader
 
 from lightning_ddp_amp import AmpPrecision
-from lightning_ddp_amp.amp.precision import describe_crossing
 
 pytestmark = needs_cpu_fp16
 
@@ -139,15 +138,3 @@ def test_every_name_of_a_tied_weight_holds_its_fp32_master(apex_double: ModuleTy
     weights = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
     assert not torch.equal(master, master.half().float())
     assert torch.equal(weights["tied.weight"], master) and torch.equal(weights["model_a.0.weight"], master)
-
-
-def test_an_older_o2_checkpoint_says_its_masters_were_dropped() -> None:
-    # Written before the masters became the checkpoint's weights: master_weights beside fp16-rounded weights.
-    state = {"backend": "apex", "opt_level": "O2", "loss_scalers": [{"loss_scale": 8.0, "unskipped": 3}]}
-    older = {"AmpPrecision": {**state, "master_weights": [torch.zeros(2)]}}
-    line = describe_crossing(older, AmpPrecision(opt_level="O1", backend="native"))
-    assert line == (
-        "Resuming a checkpoint of apex amp O2 under AmpPrecision(backend='native', opt_level='O1'): carried the loss"
-        " scale 8; dropped apex O2's fp32 master weights: this checkpoint is older than their copy into its weights,"
-        " which are their fp16 roundings (resume it once under apex-O2 and save again to carry them)"
-    )

@@ -286,11 +286,6 @@ def test_one_process_leaves_a_dataloader_that_saves_its_own_position_alone() -> 
     assert loader.state_dict() == {"own": True}
 
 
-def without_samples(state: dict[str, Any]) -> dict[str, Any]:
-    """A position as lightning_ddp_amp saved it before positions recorded their samples and order."""
-    return {name: value for name, value in state.items() if name not in ("samples", "order")}
-
-
 @pytest.mark.parametrize(
     ("saved", "resumed", "told"),
     [
@@ -319,21 +314,6 @@ def test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_val
         " has already trained. Fix: relaunch with that run's layout ("
     )
     assert "or pass trainer.fit(ckpt_path=...) a checkpoint saved at the end of an epoch" in message
-
-
-@pytest.mark.parametrize(
-    ("saved", "resumed", "told"),
-    [
-        (training_loader(2), training_loader(3), "world size 2 then, 3 now; global batch 4 then, 6 now"),
-        (training_loader(1), training_loader(2), "world size 1 then, 2 now; global batch 2 then, 4 now"),
-    ],
-    ids=["2-to-3", "1-to-2"],
-)
-def test_a_position_saved_before_it_recorded_its_samples_continues_only_on_its_number_of_ranks(
-    saved: DataLoader, resumed: DataLoader, told: str
-) -> None:
-    with pytest.raises(CheckpointError, match=rf"\({told}\)"):
-        resumed.load_state_dict(without_samples(saved.state_dict()))
 
 
 def samples_of(loader: DataLoader) -> list[int]:
@@ -419,21 +399,8 @@ def test_an_end_of_epoch_position_resumes_in_any_layout() -> None:
         assert resumed.sampler.epoch == 1
 
 
-def test_a_position_saved_before_layouts_is_checked_on_what_it_records() -> None:
-    old = {"epoch": 0, "batches": 3, "epoch_batches": 4, "num_replicas": 2, "seed": 0, "batch_size": 2}
-    with pytest.raises(CheckpointError, match=r"\(world size 2 then, 4 now; global batch 4 then, 8 now\)"):
-        training_loader(4).load_state_dict(old)
-    with pytest.raises(CheckpointError, match=r"\(it records no layout\)"):
-        training_loader(2).load_state_dict({"epoch": 0, "batches": 3, "epoch_batches": 4})
-    resumed = training_loader(2, length=40)
-    with pytest.warns(UserWarning, match="recorded only the world size, seed and batch size") as warned:
-        resumed.load_state_dict(old)
-    assert "its dataset length, split_batches, shuffle could not be compared" in str(warned[0].message)
-    assert resumed.sampler.epoch == 0
-
-
 def test_a_mid_epoch_checkpoint_without_a_position_is_refused_for_a_sharded_loader() -> None:
-    # A checkpoint of one process written before positions were recorded: it holds none.
+    # A checkpoint of another strategy, or of Trainer(use_distributed_sampler=False): it holds none.
     unpositioned = ResumePoint("/runs/epoch=0-step=3.ckpt", mid_epoch=True, loader_states=0, auto_resumed=True)
     with pytest.raises(CheckpointError) as raised:
         check_resumed_positions({"a": training_loader(2)}, unpositioned, world_size=2)
@@ -578,12 +545,18 @@ def test_a_resumed_batch_sampler_skips_the_samples_of_the_trained_batches() -> N
     assert [batch[0].tolist() for batch in resumed] == epoch1[3:]
 
 
-def test_a_batch_sampler_without_a_batch_size_cannot_be_resumed_mid_epoch() -> None:
-    loader = training_loader(2)
+def without_global_batch(loader: DataLoader) -> DataLoader:
+    """``loader`` laid out as by a batch sampler without a ``batch_size``: its position records no samples."""
     position = _position_of(loader)
     assert position is not None
     position.layout = dataclasses.replace(position.layout, global_batch=None)
+    return loader
+
+
+def test_a_batch_sampler_without_a_batch_size_cannot_be_resumed_mid_epoch() -> None:
+    loader = without_global_batch(training_loader(2))
     state = loader.state_dict()
+    assert "samples" not in state
     with pytest.raises(CheckpointError) as raised:
         loader.load_state_dict(state)
     assert str(raised.value).startswith(
@@ -591,6 +564,12 @@ def test_a_batch_sampler_without_a_batch_size_cannot_be_resumed_mid_epoch() -> N
         " DataLoader has a batch sampler (BatchSampler) without a batch_size, so the number of samples those batches"
         " took is unknown. Fix: give the batch sampler a fixed batch_size attribute to continue exactly"
     )
+
+
+def test_a_position_without_its_samples_continues_only_on_its_number_of_ranks() -> None:
+    saved = without_global_batch(training_loader(2))
+    with pytest.raises(CheckpointError, match=r"\(world size 2 then, 3 now\)"):
+        without_global_batch(training_loader(3)).load_state_dict(saved.state_dict())
 
 
 def test_a_position_envddp_did_not_save_is_refused() -> None:

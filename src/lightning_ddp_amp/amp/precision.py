@@ -509,11 +509,6 @@ def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | No
     carried, dropped = [], []
     if state.get("fp32_weights"):
         carried.append("apex O2's fp32 master weights (the checkpoint's weights)")
-    elif state.get("master_weights"):
-        dropped.append(
-            "apex O2's fp32 master weights: this checkpoint is older than their copy into its weights, which are"
-            " their fp16 roundings (resume it once under apex-O2 and save again to carry them)"
-        )
     elif state.get("rebuild_masters"):
         carried.append("the weights (a classic apex O2 checkpoint's fp16 weights: it saved no fp32 masters)")
     elif state.get("opt_level") == "O3":

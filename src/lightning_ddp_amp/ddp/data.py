@@ -417,17 +417,6 @@ class DataLayout:
         }
 
 
-def _saved_layout(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The layout a DataLoader position was saved in; of a position saved before layouts were, what it records."""
-    if "layout" in state:
-        return dict(state["layout"])
-    # Before: the world size, the seed and the batch size of each rank.
-    saved = {"world_size": state.get("num_replicas"), "seed": state.get("seed")}
-    if state.get("num_replicas") is not None and state.get("batch_size") is not None:
-        saved["global_batch"] = int(state["batch_size"]) * int(state["num_replicas"])
-    return {name: value for name, value in saved.items() if value is not None}
-
-
 def _named(field: str) -> str:
     """A layout field as messages name it: ``world_size`` -> ``world size``; arguments keep their spelling."""
     return field if field == "split_batches" else field.replace("_", " ")
@@ -514,12 +503,12 @@ class _Position:
 
         Raises:
             CheckpointError: ``state`` was saved mid-epoch with another data set, seed, order or (with
-                ``split_batches``) global batch, or records none of them, or (saved before positions recorded
-                their samples) by another number of ranks; or it is not a position envddp saved (a DataLoader
-                that saves its own, e.g. torchdata's, saved by one process).
+                ``split_batches``) global batch, or (by a batch sampler without a ``batch_size``) by another
+                number of ranks; or it is not a position envddp saved (a DataLoader that saves its own, e.g.
+                torchdata's, saved by one process).
         """
         self.restored = True
-        if not {"epoch", "batches"} <= state.keys():
+        if not {"epoch", "batches", "epoch_batches", "layout"} <= state.keys():
             raise self._resuming.refuse(
                 f"the training DataLoader position it holds is not one envddp saved (it has {sorted(state)}: a"
                 " DataLoader that saves its own position, in one process), so this run cannot tell which samples"
@@ -527,15 +516,16 @@ class _Position:
                 "relaunch as that run was launched",
             )
         epoch, batches = int(state["epoch"]), int(state["batches"])
-        epoch_batches = int(state.get("epoch_batches", len(self.loader)))
+        epoch_batches = int(state["epoch_batches"])
         if batches >= epoch_batches:
             # The epoch was finished: the next starts from its beginning, in any layout. Set the epoch now:
             # Lightning fetches the first batch before it sets the epoch of a resumed run.
             if self._sampler is not None:
                 self._sampler.set_epoch(epoch + 1)
             return
-        saved = _saved_layout(state)
-        # A position without its samples (an earlier lightning_ddp_amp) counts them in its own world size's batches.
+        saved = state["layout"]
+        # Without a global batch (a batch sampler without a batch_size) a position cannot count its samples: it
+        # continues only in its own layout.
         elastic = "samples" in state
         self._check_layout(saved, f"{batches} of the {epoch_batches} batches of epoch {epoch}", elastic)
         if self._sampler is None or ("order" not in state and saved.get("world_size") == 1):
@@ -548,11 +538,9 @@ class _Position:
                 " samples those batches took is unknown",
                 "give the batch sampler a fixed batch_size attribute",
             )
+        # A sampler saved before its first pass noted no order: its own.
         own = self._sampler.own_order() if isinstance(self._sampler, _ResumesMidEpoch) else {"kind": "sequential"}
-        if elastic:
-            samples, order = int(state["samples"]), state.get("order") or own
-        else:  # the same layout: this DataLoader's batches, in its sampler's own order
-            samples, order = batches % max(len(self.loader), 1) * self.layout.global_batch, own
+        samples, order = int(state["samples"]), state.get("order") or own
         self._warn_new_global_batch(saved)
         self._sampler.set_epoch(epoch)
         self._sampler.resume_at(_Resume(epoch, samples, order))
@@ -567,29 +555,18 @@ class _Position:
         drop_last = getattr(self.loader.batch_sampler, "drop_last", False)
         return per_rank // batch if drop_last else -(-per_rank // batch)
 
-    def _check_layout(self, saved: dict[str, Any], trained: str, elastic: bool) -> None:
+    def _check_layout(self, saved: Mapping[str, Any], trained: str, elastic: bool) -> None:
         differences = self.layout.differences(saved)
         if elastic:  # another number of ranks, and without split_batches another global batch, continue
             for name in ("world_size", "split_batches", *(() if self.layout.split_batches else ("global_batch",))):
                 differences.pop(name, None)
-        if "world_size" not in saved or differences:
+        if differences:
             then = ", ".join(f"{_named(name)} {old}" for name, (old, _) in differences.items())
-            told = (
-                "; ".join(f"{_named(name)} {old} then, {new} now" for name, (old, new) in differences.items())
-                or "it records no layout"
-            )
+            told = "; ".join(f"{_named(name)} {old} then, {new} now" for name, (old, new) in differences.items())
             raise self._resuming.refuse(
                 f"it was saved after {trained} had trained, by a run that laid the training data out otherwise"
                 f" ({told}), so this run cannot tell which samples that epoch has already trained",
-                f"relaunch with that run's layout ({then})" if then else "relaunch as that run was launched",
-            )
-        unchecked = [name for name in dataclasses.asdict(self.layout) if name not in saved]
-        if unchecked:
-            rank_zero_warn(
-                f"envddp: {self._resuming.path} was saved mid-epoch by an older lightning_ddp_amp, which recorded"
-                f" only the world size, seed and batch size of the training data; they match, but its"
-                f" {', '.join(map(_named, unchecked))} could not be compared. If the training data"
-                " changed since, resume from a checkpoint saved at the end of an epoch."
+                f"relaunch with that run's layout ({then})",
             )
 
     def _warn_new_global_batch(self, saved: Mapping[str, Any]) -> None:
@@ -669,11 +646,10 @@ def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | No
     it can continue from.
 
     A DataLoader envddp shards would start its epoch over while Lightning counts the saved batches as trained: the
-    checkpoint was written by a run that did not record its position (one process before lightning_ddp_amp recorded
-    layouts, another strategy, ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position
-    over. A DataLoader envddp does not position (an IterableDataset, a sampler of the script's own,
-    ``use_distributed_sampler=False``) starts its epoch over too, which names other samples on another number of
-    ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
+    checkpoint was written by a run that did not record its position (another strategy,
+    ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position over. A DataLoader envddp
+    does not position (an IterableDataset, a sampler of the script's own, ``use_distributed_sampler=False``) starts
+    its epoch over too, which names other samples on another number of ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
     DataLoader it cannot resume, and Lightning or envddp warns.
 
     Args:
@@ -707,8 +683,8 @@ def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | No
             continue
         if resuming.loader_states == 0:
             held = (
-                "holds no position of a training DataLoader (a checkpoint of one process before lightning_ddp_amp"
-                " recorded them, of another strategy, or of Trainer(use_distributed_sampler=False))"
+                "holds no position of a training DataLoader (a checkpoint of another strategy, or of"
+                " Trainer(use_distributed_sampler=False))"
             )
             continue_exactly = "relaunch as that run was launched"
         else:

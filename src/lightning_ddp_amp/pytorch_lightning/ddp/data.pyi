@@ -293,11 +293,6 @@ class DataLayout:
         ...
 
 
-def _saved_layout(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The layout a DataLoader position was saved in; of a position saved before layouts were, what it records."""
-    ...
-
-
 def _named(field: str) -> str:
     """A layout field as messages name it: ``world_size`` -> ``world size``; arguments keep their spelling."""
     ...
@@ -357,9 +352,9 @@ class _Position:
 
         Raises:
             CheckpointError: ``state`` was saved mid-epoch with another data set, seed, order or (with
-                ``split_batches``) global batch, or records none of them, or (saved before positions recorded
-                their samples) by another number of ranks; or it is not a position envddp saved (a DataLoader
-                that saves its own, e.g. torchdata's, saved by one process).
+                ``split_batches``) global batch, or (by a batch sampler without a ``batch_size``) by another
+                number of ranks; or it is not a position envddp saved (a DataLoader that saves its own, e.g.
+                torchdata's, saved by one process).
         """
         ...
 
@@ -367,7 +362,7 @@ class _Position:
         """How many batches this DataLoader yields on each rank for the rest of a pass of which ``samples`` trained."""
         ...
 
-    def _check_layout(self, saved: dict[str, Any], trained: str, elastic: bool) -> None:
+    def _check_layout(self, saved: Mapping[str, Any], trained: str, elastic: bool) -> None:
         ...
 
     def _warn_new_global_batch(self, saved: Mapping[str, Any]) -> None:
@@ -416,11 +411,10 @@ def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | No
     it can continue from.
 
     A DataLoader envddp shards would start its epoch over while Lightning counts the saved batches as trained: the
-    checkpoint was written by a run that did not record its position (one process before lightning_ddp_amp recorded
-    layouts, another strategy, ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position
-    over. A DataLoader envddp does not position (an IterableDataset, a sampler of the script's own,
-    ``use_distributed_sampler=False``) starts its epoch over too, which names other samples on another number of
-    ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
+    checkpoint was written by a run that did not record its position (another strategy,
+    ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position over. A DataLoader envddp
+    does not position (an IterableDataset, a sampler of the script's own, ``use_distributed_sampler=False``) starts
+    its epoch over too, which names other samples on another number of ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
     DataLoader it cannot resume, and Lightning or envddp warns.
 
     Args:

@@ -95,10 +95,10 @@ class ResumePoint:
         path: The checkpoint file.
         mid_epoch: It was saved after some, but not all, training batches of its epoch had finished.
         loader_states: How many training DataLoader positions it holds (Lightning saves those of resumable
-            DataLoaders: envddp's since it records their layout, sharded ones before that, none from other runs).
+            DataLoaders: envddp's, none from other strategies).
         auto_resumed: ``auto_resume`` picked it as the newest checkpoint of its directory.
         world_size: How many ranks saved it (:func:`record_world_size`); None for a checkpoint that does not say
-            (an earlier lightning_ddp_amp, another strategy).
+            (another strategy's).
     """
 
     path: str
