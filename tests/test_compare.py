@@ -7,6 +7,7 @@ against a plain-torch loop with formulas written here, not against compare's own
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import inspect
 import json
@@ -981,6 +982,60 @@ def test_an_unreadable_ckpt_is_a_usage_error(capsys: pytest.CaptureFixture[str],
     error = capsys.readouterr().err
     assert f"--ckpt={str((tmp_path / 'broken.ckpt').resolve())!r}: torch.load cannot read it (" in error
     assert "Fix: pass a checkpoint a Trainer saved" in error
+
+
+class RunsCode:
+    """What a hostile checkpoint can hold: unpickled, it writes ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def first_step_planned(tmp_path: Path, *options: str) -> int:
+    """compare's first run's plan.json, with a command that cannot start (nothing trains)."""
+    compare.main(["32-true", "amp-O1", *options, "--out", str(tmp_path / "out"), "--", str(tmp_path / "missing")])
+    plan = json.loads((tmp_path / "out" / "1-32-true" / "plan.json").read_text())
+    return int(plan["first_step"])
+
+
+def test_a_ckpt_whose_pickle_would_run_code_is_refused_and_nothing_of_it_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 12, "state_dict": {"w": torch.zeros(2)}, "hyper_parameters": RunsCode(marker)}, ckpt)
+    with pytest.raises(SystemExit) as exit:
+        compare.main(["32-true", "amp-O1", "--ckpt", str(ckpt), "--out", str(tmp_path / "out"), "--", "x"])
+    assert exit.value.code == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"--ckpt={str(ckpt)!r}: it names builtins.exec, which is not a tensor, a plain value or argparse.Namespace:"
+        " unpickling it could run any code, so nothing of it was built. Fix: if you trust where the file comes from,"
+        " pass --trust-ckpt" in error
+    )
+    assert not marker.exists()
+
+
+def test_trust_ckpt_reads_a_ckpt_that_names_more_and_runs_what_its_pickle_says(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 12, "hyper_parameters": RunsCode(marker)}, ckpt)
+    assert first_step_planned(tmp_path, "--ckpt", str(ckpt), "--trust-ckpt") == 12
+    assert marker.read_text() == "ran"
+
+
+def test_a_lightning_ckpt_with_hyperparameters_and_saved_args_is_read_without_trust(tmp_path: Path) -> None:
+    ckpt = tmp_path / "last.ckpt"
+    torch.save(
+        {"global_step": 30, "epoch": 2, "state_dict": {"w": torch.zeros(2)}, "hyper_parameters": {"lr": 0.1},
+         "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}],
+         "args": argparse.Namespace(lr=0.1)},
+        ckpt,
+    )  # fmt: skip
+    assert first_step_planned(tmp_path, "--ckpt", str(ckpt)) == 30
 
 
 def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callable(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -312,6 +313,131 @@ def test_a_lightning_checkpoint_or_a_missing_file_is_refused_with_the_fix(tmp_pa
     path = save(tmp_path, model=weights(OneModel().net), epoch="3")
     with pytest.raises(CheckpointError, match="epoch='3': it must be a whole number"):
         convert_apex_checkpoint(path, OneModel())
+
+
+# --- reading the file runs none of its code --------------------------------------------------------------------
+
+
+class RunsCode:
+    """What a hostile checkpoint can hold: unpickled, it writes ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+@pytest.fixture(params=["this torch", "torch before 2.5"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way a checkpoint is read: torch's weights-only unpickler with safe_globals (torch 2.5 on), and the
+    restricted pickle of torch 2.1 to 2.4 (which have no safe_globals)."""
+    if request.param == "torch before 2.5":
+        monkeypatch.delattr(torch.serialization, "safe_globals", raising=False)
+    return str(request.param)
+
+
+def refused_message(path: Path) -> str:
+    return (
+        f"checkpoint={str(path)!r}: it names builtins.exec, which is not a tensor, a plain value or argparse.Namespace:"
+        " unpickling it could run any code, so nothing of it was built. Fix: if you trust where the file comes from,"
+        " pass trusted=True; otherwise ask for a checkpoint of state_dicts and plain values"
+    )
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_of_it_runs(
+    tmp_path: Path, reader: str
+) -> None:
+    module = TwoModels()
+    marker = tmp_path / "ran"
+    path = save(tmp_path, model_a=weights(module.model_a), model_b=weights(module.model_b), amp=RunsCode(marker))
+    with pytest.raises(CheckpointError) as error:
+        convert_apex_checkpoint(path, module)
+    assert str(error.value) == refused_message(path)
+    assert not marker.exists()
+    assert not (tmp_path / "classic-lightning.ckpt").exists()
+
+
+def test_a_legacy_format_checkpoint_whose_pickle_would_run_code_is_refused_too(tmp_path: Path, reader: str) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / "classic.pt"
+    torch.save({"model": weights(OneModel().net), "amp": RunsCode(marker)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError) as error:
+        convert_apex_checkpoint(path, OneModel())
+    assert str(error.value) == refused_message(path)
+    assert not marker.exists()
+
+
+def test_trusted_reads_a_file_that_names_more_and_runs_what_its_pickle_says(tmp_path: Path) -> None:
+    module = TwoModels()
+    marker = tmp_path / "ran"
+    path = save(tmp_path, model_a=weights(module.model_a), model_b=weights(module.model_b), amp=RunsCode(marker))
+    out = converted(convert_apex_checkpoint(path, module, trusted=True))
+    assert marker.read_text() == "ran"  # exec returned None: a run without loss scaling
+    assert sorted(out["state_dict"]) == sorted(module.state_dict())
+
+
+def sgd_state(module: torch.nn.Module) -> dict[str, Any]:
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    return optimizer.state_dict()
+
+
+def test_apex_imagenet_examples_checkpoint_loads_as_torch_1_saved_it(tmp_path: Path, reader: str) -> None:
+    # apex/examples/imagenet/main_amp.py: save_checkpoint({"epoch": epoch + 1, "arch": args.arch, "state_dict":
+    # model.state_dict(), "best_prec1": best_prec1, "optimizer": optimizer.state_dict()}), the model under apex's DDP.
+    module = OneModel()
+    optimizer = sgd_state(module.net)
+    path = tmp_path / "checkpoint.pth.tar"
+    torch.save(
+        {"epoch": 3, "arch": "resnet50", "state_dict": weights(module.net, "module."), "best_prec1": 61.5,
+         "optimizer": optimizer},
+        path, _use_new_zipfile_serialization=False,  # torch before 1.6, as in apex's time
+    )  # fmt: skip
+    out = converted(convert_apex_checkpoint(path, module))
+    assert sorted(out["state_dict"]) == sorted(module.state_dict())
+    assert out["epoch"] == 3
+    saved = [state["momentum_buffer"] for state in optimizer["state"].values()]
+    carried = [state["momentum_buffer"] for state in out["optimizer_states"][0]["state"].values()]
+    assert len(carried) == 4 and all(torch.equal(a, b) for a, b in zip(carried, saved, strict=True))
+
+
+def test_the_classic_scripts_checkpoint_loads(tmp_path: Path, reader: str) -> None:
+    # examples/classic/train.py: {"model_a": ..., "model_b": ..., "optimizer": ..., "amp": amp.state_dict()}
+    module = TwoModels()
+    path = save(
+        tmp_path, model_a=weights(module.model_a, "module."), model_b=weights(module.model_b, "module."),
+        optimizer={"state": {}, "param_groups": [{"lr": 0.1, "momentum": 0.0, "params": list(range(7))}]},
+        amp={"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 3}},
+    )  # fmt: skip
+    out = converted(convert_apex_checkpoint(path, module))
+    assert out[AmpPrecision.__qualname__]["loss_scalers"] == [{"loss_scale": 65536.0, "unskipped": 3}]
+
+
+def test_a_checkpoint_with_the_scripts_parsed_args_loads(tmp_path: Path, reader: str) -> None:
+    module = OneModel()
+    args = argparse.Namespace(arch="resnet50", lr=0.1, opt_level="O1", epochs=90)
+    path = save(tmp_path, model=weights(module.net), optimizer=sgd_state(module.net), args=args, epoch=2)
+    out = converted(convert_apex_checkpoint(path, module))
+    assert out["epoch"] == 2 and sorted(out["state_dict"]) == sorted(module.state_dict())
+
+
+def test_the_converted_checkpoint_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = OneModel()
+    path = save(tmp_path, model=weights(module.net))
+    target = convert_apex_checkpoint(path, module)
+    before = target.read_bytes()
+
+    def killed_halfway(obj: object, file: Any, *args: Any, **kwargs: Any) -> None:
+        file.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        convert_apex_checkpoint(path, module, epoch=7)
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["classic-lightning.ckpt", "classic.pt"]
 
 
 # --- the migration table's traps, each as a classic/migrated pair ---------------------------------------------

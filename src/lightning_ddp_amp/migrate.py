@@ -22,10 +22,15 @@ How the classic entries become the module's names, with no options in the common
 
 apex O2 trains fp32 master copies of fp16 weights, and its checkpoint holds only the fp16 weights: as apex's own
 resume does, the masters are rebuilt from them (rank 0 says so when the fit continues).
+
+Reading the file runs none of its code: only tensors, plain values and ``argparse.Namespace`` (a script's saved
+``args``) are built (:mod:`lightning_ddp_amp.safe_load`); a file that names anything else is refused unless
+``trusted=True``. The converted checkpoint is written atomically, as the strategy writes its own.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +41,9 @@ from torch.nn import Module
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.precision import AmpPrecision
+from lightning_ddp_amp.ddp.resume import AtomicCheckpointIO
 from lightning_ddp_amp.errors import CheckpointError
+from lightning_ddp_amp.safe_load import load_checkpoint
 
 #: The classic entries that are not a model's weights, by what they become.
 OPTIMIZER_KEYS = ("optimizer", "optimizers")
@@ -56,6 +63,7 @@ def convert_apex_checkpoint(
     names: Mapping[str, str] | None = None,
     epoch: int | None = None,
     global_step: int | None = None,
+    trusted: bool = False,
 ) -> Path:
     """Write the Lightning checkpoint that continues the classic apex checkpoint ``checkpoint`` as ``module``.
 
@@ -71,16 +79,20 @@ def convert_apex_checkpoint(
         epoch: The epochs done (the epoch to continue at), when the checkpoint's ``epoch`` is missing or counts
             otherwise.
         global_step: The optimizer steps done, when the checkpoint has no ``step``.
+        trusted: Read a file that names more than tensors, plain values and ``argparse.Namespace`` (a custom class,
+            a numpy scalar) as ``torch.load(weights_only=False)`` does, which runs whatever code its pickle says:
+            only for a file whose source you trust.
 
     Returns:
         The path written.
 
     Raises:
         CheckpointError: The file is not a classic checkpoint, or its weights do not fit ``module`` (the message
-            names the first key that does not).
+            names the first key that does not), or, without ``trusted``, it names a class or function that only
+            unpickling could build (nothing of it is built).
     """
     source = Path(checkpoint)
-    classic = _read(source)
+    classic = _read(source, trusted)
     loss_scalers = _loss_scalers(source, classic.get("amp"))
     state, fp16 = _map_weights(source, classic, module, dict(names or {}))
     level = opt_level or ("O2" if fp16 else "O1")
@@ -107,19 +119,20 @@ def convert_apex_checkpoint(
         CONVERTED_KEY: {"source": str(source), "opt_level": level},
     }
     target = Path(out) if out is not None else source.with_name(f"{source.stem}-lightning.ckpt")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(converted, target)
+    AtomicCheckpointIO().save_checkpoint(converted, target)
     return target
 
 
-def _read(source: Path) -> dict[str, Any]:
+def _read(source: Path, trusted: bool) -> dict[str, Any]:
     try:
-        classic = torch.load(source, map_location="cpu", weights_only=False)
+        classic = load_checkpoint(source, field="checkpoint", opt_in="pass trusted=True", trusted=trusted)
     except FileNotFoundError:
         raise CheckpointError(
             "checkpoint", str(source), "there is no such file", "pass the file the classic script saved"
         ) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as error:
+    except CheckpointError:
+        raise
+    except (RuntimeError, EOFError, ValueError, OSError, pickle.UnpicklingError) as error:
         raise CheckpointError(
             "checkpoint",
             str(source),

@@ -42,6 +42,7 @@ from lightning_ddp_amp.compare import report as compare_report
 from lightning_ddp_amp.compare import terminal
 from lightning_ddp_amp.compare.recorder import AMP_LEVEL, PLAN_VARIABLE, Plan
 from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
+from lightning_ddp_amp.errors import CheckpointError
 
 #: ``--steps``: enough for a loss curve to settle into its trend on most models, short enough to run before a switch.
 DEFAULT_STEPS = 200
@@ -101,6 +102,12 @@ def parser() -> argparse.ArgumentParser:
         "--out", type=Path, help="the folder for every run and the report (default: compare-DATE-TIME here)"
     )
     parser.add_argument("--ckpt", type=Path, help="every candidate's fit starts from this checkpoint")
+    parser.add_argument(
+        "--trust-ckpt",
+        action="store_true",
+        help="read a --ckpt that names more than tensors, plain values and argparse.Namespace, which runs whatever"
+        " code its pickle says: only for a file whose source you trust",
+    )
     parser.add_argument(
         "--tolerance",
         type=Tolerance.parse,
@@ -175,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     out.mkdir(parents=True, exist_ok=True)
     ckpt = None if args.ckpt is None else str(args.ckpt.resolve())
-    first_step = 0 if ckpt is None else _saved_step(ckpt, command_line)
+    first_step = 0 if ckpt is None else _saved_step(ckpt, command_line, trusted=args.trust_ckpt)
     candidates = _candidates(args.precisions, commands, out.resolve(), noise_floor=args.noise_floor)
     snapshots = tuple(first_step + round(args.steps * i / args.snapshots) for i in range(1, args.snapshots))
     for index, candidate in enumerate(candidates):
@@ -263,12 +270,15 @@ def _candidates(
     return candidates
 
 
-def _saved_step(ckpt: str, command_line: argparse.ArgumentParser) -> int:
-    """The global step a checkpoint was saved at (memory-mapped: only that entry is read)."""
-    import torch
+def _saved_step(ckpt: str, command_line: argparse.ArgumentParser, *, trusted: bool) -> int:
+    """The global step a checkpoint was saved at (memory-mapped: only that entry is read), running none of the file's
+    code unless ``trusted`` (:mod:`lightning_ddp_amp.safe_load`)."""
+    from lightning_ddp_amp.safe_load import load_checkpoint
 
     try:
-        checkpoint = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = load_checkpoint(ckpt, field="--ckpt", opt_in="pass --trust-ckpt", trusted=trusted, mmap=True)
+    except CheckpointError as refused:
+        command_line.error(str(refused))
     except Exception as error:
         command_line.error(
             f"--ckpt={ckpt!r}: torch.load cannot read it ({type(error).__name__}: {error}). Fix: pass a checkpoint a Trainer saved"

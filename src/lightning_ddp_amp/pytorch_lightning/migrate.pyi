@@ -23,10 +23,15 @@ How the classic entries become the module's names, with no options in the common
 
 apex O2 trains fp32 master copies of fp16 weights, and its checkpoint holds only the fp16 weights: as apex's own
 resume does, the masters are rebuilt from them (rank 0 says so when the fit continues).
+
+Reading the file runs none of its code: only tensors, plain values and ``argparse.Namespace`` (a script's saved
+``args``) are built (:mod:`lightning_ddp_amp.safe_load`); a file that names anything else is refused unless
+``trusted=True``. The converted checkpoint is written atomically, as the strategy writes its own.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +42,9 @@ from torch.nn import Module
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision
+from lightning_ddp_amp.pytorch_lightning.ddp.resume import AtomicCheckpointIO
 from lightning_ddp_amp.errors import CheckpointError
+from lightning_ddp_amp.safe_load import load_checkpoint
 
 #: The classic entries that are not a model's weights, by what they become.
 OPTIMIZER_KEYS = ("optimizer", "optimizers")
@@ -57,6 +64,7 @@ def convert_apex_checkpoint(
     names: Mapping[str, str] | None = None,
     epoch: int | None = None,
     global_step: int | None = None,
+    trusted: bool = False,
 ) -> Path:
     """Write the Lightning checkpoint that continues the classic apex checkpoint ``checkpoint`` as ``module``.
 
@@ -72,18 +80,22 @@ def convert_apex_checkpoint(
         epoch: The epochs done (the epoch to continue at), when the checkpoint's ``epoch`` is missing or counts
             otherwise.
         global_step: The optimizer steps done, when the checkpoint has no ``step``.
+        trusted: Read a file that names more than tensors, plain values and ``argparse.Namespace`` (a custom class,
+            a numpy scalar) as ``torch.load(weights_only=False)`` does, which runs whatever code its pickle says:
+            only for a file whose source you trust.
 
     Returns:
         The path written.
 
     Raises:
         CheckpointError: The file is not a classic checkpoint, or its weights do not fit ``module`` (the message
-            names the first key that does not).
+            names the first key that does not), or, without ``trusted``, it names a class or function that only
+            unpickling could build (nothing of it is built).
     """
     ...
 
 
-def _read(source: Path) -> dict[str, Any]:
+def _read(source: Path, trusted: bool) -> dict[str, Any]:
     ...
 
 
