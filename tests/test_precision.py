@@ -163,6 +163,16 @@ def test_amp_strings_prefer_apex_when_it_is_importable(apex_double: ModuleType, 
     assert flavoured_trainer(flavour, precision="amp-O2").precision_plugin.backend == "apex"
 
 
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_native_strings_run_torchs_amp_even_where_apex_is_importable(
+    level: str, apex_double: ModuleType, flavour: Flavour
+) -> None:
+    # compare's "native-O1" is the Trainer's too: AmpPrecision(opt_level="O1", backend="native").
+    plugin = flavoured_trainer(flavour, strategy="envddp", precision=f"native-{level}").precision_plugin
+    assert type(plugin) is flavour.plugins.AmpPrecision
+    assert (plugin.opt_level, plugin.backend) == (level, "native")
+
+
 @pytest.mark.parametrize(
     ("value", "plugin_type"),
     [
@@ -180,7 +190,7 @@ def test_lightnings_own_values_behave_as_before(value: Any, plugin_type: str, fl
     assert type(plugin) is getattr(flavour.pl.plugins.precision, plugin_type)
 
 
-@pytest.mark.parametrize("value", ["apex-O9", "amp-O4", "apex-o1", "apex"])
+@pytest.mark.parametrize("value", ["apex-O9", "amp-O4", "apex-o1", "apex", "native-O4", "native"])
 def test_other_values_are_still_rejected_by_lightning(value: str, flavour: Flavour) -> None:
     with pytest.raises(ValueError, match="is invalid"):
         flavoured_trainer(flavour, precision=value)
@@ -213,6 +223,16 @@ def test_falling_back_to_native_prints_one_line_with_the_mapping(
     assert lines == [
         "AmpPrecision: NVIDIA apex amp is not importable, so opt_level O2 runs on torch.amp: torch.autocast(float16)"
         " with dynamic loss scaling; weights stay fp32 as O2's master weights"
+    ]
+
+
+def test_falling_back_with_a_fixed_loss_scale_names_the_scale(no_apex: None, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        trainer(plugins=[AmpPrecision(loss_scale=128.0)])
+    lines = [r.getMessage() for r in caplog.records if "AmpPrecision" in r.getMessage()]
+    assert lines == [
+        "AmpPrecision: NVIDIA apex amp is not importable, so opt_level O1 runs on torch.amp: torch.autocast(float16)"
+        " with a fixed loss scale of 128"
     ]
 
 

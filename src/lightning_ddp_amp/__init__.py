@@ -1,10 +1,11 @@
 """The classic torchrun + DDP + mixed-precision recipe as Lightning plugins.
 
 Importing this package registers ``"envddp"`` (and ``"envddp_find_unused_parameters_true"``) in Lightning's
-strategy registry and teaches ``Trainer(precision=...)`` the values ``"apex-O0"`` … ``"apex-O3"`` and
-``"amp-O0"`` … ``"amp-O3"``, so ``Trainer(strategy="envddp", precision="apex-O1")`` works, with ``lightning``
-and with the standalone ``pytorch_lightning``, whose plugin classes live in ``lightning_ddp_amp.pytorch_lightning``
-(built from the same files, see ``_namespaces.py``).
+strategy registry and teaches ``Trainer(precision=...)`` the values ``"apex-O0"`` … ``"apex-O3"``,
+``"amp-O0"`` … ``"amp-O3"`` and ``"native-O0"`` … ``"native-O3"``, so
+``Trainer(strategy="envddp", precision="apex-O1")`` works, with ``lightning`` and with the standalone
+``pytorch_lightning``, whose plugin classes live in ``lightning_ddp_amp.pytorch_lightning`` (built from the same
+files, see ``_namespaces.py``).
 """
 
 from lightning_ddp_amp.launch.environment import Topology, check_rank_variables, read_topology

@@ -3,7 +3,7 @@
 ``Trainer(precision="apex-O1")`` works in Python as soon as ``lightning_ddp_amp`` is imported, but Lightning's
 LightningCLI checks ``trainer.precision`` against the Trainer's type hint, which lists only Lightning's own
 values. This module's :class:`LightningCLI` is a drop-in for Lightning's whose Trainer also accepts
-``"apex-O0"`` … ``"apex-O3"`` and ``"amp-O0"`` … ``"amp-O3"``::
+``"apex-O0"`` … ``"apex-O3"``, ``"amp-O0"`` … ``"amp-O3"`` and ``"native-O0"`` … ``"native-O3"``::
 
     # config.yaml
     trainer:
@@ -29,7 +29,11 @@ from lightning.pytorch.cli import LightningCLI as LightningLightningCLI
 
 import lightning_ddp_amp  # noqa: F401  (registers "envddp" and the precision strings)
 
-AmpPrecisionFlag = Literal["apex-O0", "apex-O1", "apex-O2", "apex-O3", "amp-O0", "amp-O1", "amp-O2", "amp-O3"]
+AmpPrecisionFlag = Literal[
+    "apex-O0", "apex-O1", "apex-O2", "apex-O3",
+    "amp-O0", "amp-O1", "amp-O2", "amp-O3",
+    "native-O0", "native-O1", "native-O2", "native-O3",
+]  # fmt: skip
 
 if TYPE_CHECKING:
     LightningPrecision = Any
@@ -39,7 +43,7 @@ else:
 
 
 class Trainer(LightningTrainer):
-    """Lightning's Trainer, with ``precision`` typed to also accept ``"apex-O*"`` and ``"amp-O*"``.
+    """Lightning's Trainer, with ``precision`` typed to also accept ``"apex-O*"``, ``"amp-O*"`` and ``"native-O*"``.
 
     Args:
         precision: Any value Lightning accepts, or one of this package's precision strings.

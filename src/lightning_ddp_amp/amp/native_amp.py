@@ -43,10 +43,22 @@ from lightning_ddp_amp.amp.amp_backend import AmpBackend, AmpSettings, ModuleSel
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 
 
-def describe(opt_level: str, dtype: torch.dtype) -> str:
-    """What a level means natively, as printed when ``"amp-O*"`` falls back to this backend."""
+def describe(opt_level: str, dtype: torch.dtype, loss_scale: float | str | None = None) -> str:
+    """What a level means natively, as printed when ``"amp-O*"`` falls back to this backend.
+
+    Args:
+        opt_level: The apex level.
+        dtype: The autocast dtype.
+        loss_scale: ``AmpPrecision(loss_scale=...)``: a number is the fixed scale used; None or ``"dynamic"``, a
+            dynamic one.
+    """
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-    scaling = "no loss scaling" if dtype == torch.bfloat16 else "dynamic loss scaling"
+    if dtype == torch.bfloat16:
+        scaling = "no loss scaling"
+    elif loss_scale is None or loss_scale == "dynamic":
+        scaling = "dynamic loss scaling"
+    else:
+        scaling = f"a fixed loss scale of {float(loss_scale):g}"
     return {
         "O0": "fp32, no autocast, no loss scaling",
         "O1": f"torch.autocast({name}) with {scaling}",
@@ -209,7 +221,7 @@ class NativeAmp(AmpBackend):
     @classmethod
     @override
     def describe(cls, settings: AmpSettings) -> str:
-        return "torch.amp: " + describe(settings.opt_level, settings.dtype)
+        return "torch.amp: " + describe(settings.opt_level, settings.dtype, settings.loss_scale)
 
     @classmethod
     @override

@@ -68,8 +68,9 @@ RECORD_FILE = "record.json"
 FINAL_WEIGHTS = "weights-final.pt"
 START_WEIGHTS = "weights-start.pt"
 _MARK = "__lightning_ddp_amp_compare__"
-#: The precisions AmpPrecision runs: ``apex-O*``, ``amp-O*`` and, for compare only, ``native-O*``
-#: (``AmpPrecision(opt_level=..., backend="native")``, torch's AMP even where apex is installed).
+#: The precisions AmpPrecision runs: ``apex-O*``, ``amp-O*`` and ``native-O*``
+#: (``AmpPrecision(opt_level=..., backend="native")``, torch's AMP even where apex is installed), as
+#: ``lightning_ddp_amp.amp.precision.PRECISION_FLAG`` reads them (not imported: compare imports no Lightning).
 AMP_LEVEL = re.compile(r"^(apex|amp|native)-(O[0-3])$")
 #: What a script's own AmpPrecision keeps when compare changes its level or backend.
 CARRIED_SETTINGS = (
@@ -229,7 +230,7 @@ def _replace_arguments(
     configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
     if level is None:
         given["precision"] = plan.precision
-    else:  # AmpPrecision itself: native-O* is compare's own spelling; a removed AmpPrecision's settings carry over
+    else:  # AmpPrecision itself: a removed AmpPrecision's settings carry over
         family, opt_level = level.groups()
         backend = {"apex": "apex", "amp": "auto", "native": "native"}[family]
         given["precision"] = None

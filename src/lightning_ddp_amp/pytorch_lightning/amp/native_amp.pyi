@@ -44,8 +44,15 @@ from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, AmpS
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 
 
-def describe(opt_level: str, dtype: torch.dtype) -> str:
-    """What a level means natively, as printed when ``"amp-O*"`` falls back to this backend."""
+def describe(opt_level: str, dtype: torch.dtype, loss_scale: float | str | None = None) -> str:
+    """What a level means natively, as printed when ``"amp-O*"`` falls back to this backend.
+
+    Args:
+        opt_level: The apex level.
+        dtype: The autocast dtype.
+        loss_scale: ``AmpPrecision(loss_scale=...)``: a number is the fixed scale used; None or ``"dynamic"``, a
+            dynamic one.
+    """
     ...
 
 

@@ -9,7 +9,8 @@
         scaled_loss.backward()
     optimizer.step()
 
-``precision="amp-O1"`` does the same with apex when it is importable and with torch.amp otherwise; the table in
+``precision="amp-O1"`` does the same with apex when it is importable and with torch.amp otherwise, and
+``precision="native-O1"`` with torch.amp even where apex is installed; the table in
 :mod:`lightning_ddp_amp.pytorch_lightning.amp.native_amp` says what each level means natively.
 """
 
@@ -42,8 +43,9 @@ OPT_LEVELS = ("O0", "O1", "O2", "O3")
 BACKENDS = ("auto", *backend_names())
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
-#: The precision strings this package adds to ``Trainer(precision=...)``.
-PRECISION_FLAG = re.compile(r"^(apex|amp)-(O[0-3])$")
+#: The precision strings this package adds to ``Trainer(precision=...)``, and the backend each family asks for.
+PRECISION_FLAG = re.compile(r"^(apex|amp|native)-(O[0-3])$")
+FLAG_BACKENDS = {"apex": "apex", "amp": "auto", "native": "native"}
 
 
 class AmpPrecision(Precision):
@@ -316,7 +318,8 @@ def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | No
 
 
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
-    """Turn ``Trainer(precision="apex-O1")`` / ``"amp-O1"`` into an :class:`AmpPrecision` in ``plugins``.
+    """Turn ``Trainer(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` into an :class:`AmpPrecision` in
+    ``plugins``, with ``backend="apex"``, ``"auto"`` or ``"native"``.
 
     Any other value, valid for Lightning or not, is returned unchanged for Lightning to judge.
 
