@@ -74,6 +74,32 @@ def test_text_report_for_people() -> None:
     assert "No problems found." in result.stdout
 
 
+def test_the_text_report_names_the_rank_it_is_of_in_its_first_line() -> None:
+    # Run on every rank of a job, the reports look alike: the header tells them apart.
+    header = f"lightning-ddp-amp {doctor.report({})['versions']['lightning_ddp_amp']} environment report"
+    assert doctor.render(doctor.report(TORCHRUN_RANK_1)).splitlines()[0] == f"{header} for rank 1 of 2 (local rank 1)"
+    assert doctor.render(doctor.report(SRUN_RANK_1)).splitlines()[0] == f"{header} for rank 1 of 2 (local rank 1)"
+    # Without a topology (WORLD_SIZE missing), the variables as they are set.
+    assert doctor.render(doctor.report({"RANK": "1", "LOCAL_RANK": "0"})).splitlines()[0] == (
+        f"{header} for RANK=1, LOCAL_RANK=0"
+    )
+    assert doctor.render(doctor.report({})).splitlines()[0] == header  # one process, no launcher: no rank to name
+
+
+def test_every_line_of_the_text_report_fits_100_columns_with_long_facts_and_problems() -> None:
+    env = {**TWO_NODES_BY_HAND, "MASTER_ADDR": "localhost", "MASTER_PORT": str(free_port()), "PMI_RANK": "0"}
+    for data in (doctor.report({}), doctor.report(env), doctor.report({"RANK": "1", "LOCAL_RANK": "0"})):
+        lines = doctor.render(data).splitlines()
+        assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    # Wrapped, not cut: a fact's continuation sits under its text, a problem's under its words.
+    decision = doctor.render(doctor.report({})).splitlines()[3:5]
+    assert decision[0].startswith("decision     single process:") and decision[1].startswith(" " * 13 + "Trainer")
+    text = doctor.render(doctor.report(env))
+    problem = next(p for p in doctor.report(env)["problems"] if p["problem"].startswith("MASTER_ADDR="))
+    assert " ".join(text.split()).count(" ".join(f"PROBLEM: {problem['problem']}".split())) == 1
+    assert " ".join(f"fix: {problem['fix']}".split()) in " ".join(text.split())
+
+
 def test_report_says_which_launcher_won() -> None:
     data = doctor.report({**SRUN_RANK_1, **TORCHRUN_RANK_1})
     assert data["launcher"]["name"] == "torchrun"

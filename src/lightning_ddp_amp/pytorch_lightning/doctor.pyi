@@ -23,6 +23,7 @@ import platform
 import socket
 import subprocess
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,9 @@ _SHOWN = (
     *SLURM_NODELISTS,
 )
 _SHOWN_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_", "MV2_COMM_WORLD_", "JSM_NAMESPACE_")
+#: The widest line of the text report, and the column its facts start in.
+WIDTH = 100
+LABEL = 13
 
 
 def report(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -167,7 +171,23 @@ def _load_extension(name: str) -> dict[str, str]:
 
 
 def render(data: Mapping[str, Any]) -> str:
-    """The report as text for people: one line per fact, then the problems with their fixes."""
+    """The report as text for people: a header naming the rank, one fact per label, then the problems with their
+    fixes; every line within :data:`WIDTH` columns (only a single word longer than that, such as a path, is not
+    broken)."""
+    ...
+
+
+def _whose(launcher: Mapping[str, Any]) -> str:
+    """Which rank the report is of, for the header: reports from every rank of a job look alike otherwise."""
+    ...
+
+
+def _fact(label: str, text: str) -> list[str]:
+    """One labelled fact, its continuation lines under the text."""
+    ...
+
+
+def _wrap(text: str, indent: str = "") -> list[str]:
     ...
 
 
