@@ -135,3 +135,53 @@ def test_no_block_of_several_lines_is_repeated_word_for_word_across_the_pages() 
                     repeated.append(f"{block} repeats {first[text]}")
                 first.setdefault(text, str(block))
     assert repeated == []
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but hyphens and underscores dropped, spaces hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of ``page``'s headings outside code blocks, a repeated heading numbered as GitHub numbers it."""
+    found: set[str] = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        heading = re.match(r"#{1,6} (.*)", line)
+        if heading and not fenced:
+            anchor = base = slug(heading.group(1))
+            count = 0
+            while anchor in found:
+                count += 1
+                anchor = f"{base}-{count}"
+            found.add(anchor)
+    return found
+
+
+def test_slugs_follow_githubs_rule() -> None:
+    assert slug("How apex is tested without a GPU") == "how-apex-is-tested-without-a-gpu"
+    assert slug("Before the first run: `lightning-ddp-amp env`") == "before-the-first-run-lightning-ddp-amp-env"
+    assert (
+        slug("The `pytorch_lightning` flavour: one implementation")
+        == "the-pytorch_lightning-flavour-one-implementation"
+    )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
+def test_every_relative_link_reaches_a_file_and_its_heading(page: Path) -> None:
+    text = "\n".join(block for i, block in enumerate(re.split(r"^```.*$", page.read_text(), flags=re.M)) if i % 2 == 0)
+    dead = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto: and the like: not this repository's
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            dead.append(f"{target}: no file {linked.relative_to(REPO) if linked.is_relative_to(REPO) else linked}")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            dead.append(f"{target}: {linked.relative_to(REPO)} has no heading #{anchor}")
+    assert dead == [], f"{page.relative_to(REPO)} links to what is not there"
