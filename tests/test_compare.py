@@ -292,6 +292,10 @@ def test_the_picture_has_eight_titled_panels_whose_series_equal_the_json_under_a
     for axis, (name, key) in zip(figure.axes, compare_picture.PANELS, strict=True):
         if key == "metrics":
             continue
+        if key == "loss_scale":  # float32 runs only: the panel says so instead of an empty axis
+            assert not axis.get_lines() and list(axis.get_yticks()) == []
+            assert [text.get_text() for text in axis.texts] == [compare_picture.NO_LOSS_SCALE]
+            continue
         lines = {line.get_label(): line for line in axis.get_lines() if not line.get_label().startswith("_")}
         for label, line in lines.items():
             colours.setdefault(label, set()).add(str(line.get_color()))
@@ -326,6 +330,23 @@ def test_without_matplotlib_the_table_and_json_are_written_and_one_line_says_how
     assert (
         'no picture: matplotlib is not installed (pip install "lightning-ddp-amp[compare]")' in capsys.readouterr().out
     )
+
+
+def test_the_reports_first_line_says_how_many_steps_the_runs_took_beside_steps_where_the_script_stopped_sooner(
+    learning_rates: LearningRates,
+) -> None:
+    assert f"\ncompare: 6 runs of {STEPS} steps, baseline 32-true, on " in learning_rates.result.stdout
+    # The same runs, as if the script's max_epochs had ended them after 5 steps, one of them after 7.
+    report = json.loads(json.dumps(learning_rates.report))
+    for entry in report["candidates"]:
+        if entry["series"] is not None:
+            entry["series"]["step"] = entry["series"]["step"][:5]
+    first = terminal.render(report).splitlines()[1]
+    assert first.startswith(
+        f"compare: 6 runs of 5 steps (--steps {STEPS}; the script's max_steps or max_epochs stopped them sooner),"
+    )
+    candidate(report, "32-true#2")["series"]["step"] = list(range(7))
+    assert terminal.render(report).splitlines()[1].startswith(f"compare: 6 runs of 5 to 7 steps (--steps {STEPS};")
 
 
 def test_failed_candidates_are_named_with_their_error_and_the_others_still_compared(
@@ -667,6 +688,9 @@ def test_apex_and_native_amp_are_close_on_the_example_under_torchrun(tmp_path: P
         assert entry["series"]["step"] == list(range(20))
         assert output.count(f"lightning-ddp-amp compare [{entry['name']}]: this run's Trainer was changed:") == 1
     assert candidate(report, "apex-O1")["series"]["loss_scale"][0] == 2.0**16
+    # The example says what ran under compare, not its own --precision (amp-O1).
+    assert output.count("trained under apex amp O1 on 2 rank(s)") == output.count("trained under native amp O1") == 1
+    assert "amp-O1:" not in output
 
 
 @needs_cpu_fp16

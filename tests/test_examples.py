@@ -62,7 +62,7 @@ def test_cli_config_with_apex_o1_runs_with_the_apex_double(preloaded: Preloaded,
 def test_two_models_one_optimizer_trains_on_two_ranks_with_amp_o1(preloaded: Preloaded, tmp_path: Path) -> None:
     script, args = str(EXAMPLES / "two_models_one_optimizer.py"), ("--epochs", "1", "--checkpoints", str(tmp_path))
     result = preloaded.run(script, *args, log=tmp_path / "logs", apex_double=False).check()
-    assert "amp-O1: native amp O1 on 2 rank(s); final loss" in result.stdout
+    assert "trained under native amp O1 on 2 rank(s); final loss" in result.stdout
 
 
 @needs_cpu_fp16
@@ -78,7 +78,7 @@ def test_the_migrated_script_ends_in_the_classic_scripts_weights(
     check(torchrun.run(str(EXAMPLES / "classic" / "train.py"), "--checkpoint", str(classic), apex_double=True))
     script = str(EXAMPLES / "two_models_one_optimizer.py")
     result = preloaded.run(script, "--checkpoints", str(migrated), log=tmp_path / "logs").check()
-    assert "amp-O1: apex amp O1 on 2 rank(s); final loss" in result.stdout
+    assert "trained under apex amp O1 on 2 rank(s); final loss" in result.stdout
     before = torch.load(classic, weights_only=False)
     (checkpoint,) = migrated.glob("*.ckpt")
     after = torch.load(checkpoint, weights_only=False)

@@ -96,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=DEFAULT_STEPS,
-        help=f"optimizer steps per run (default {DEFAULT_STEPS}, or the script's own max_steps if lower)",
+        help=f"optimizer steps per run at most (default {DEFAULT_STEPS}); a run stops sooner where the script's own"
+        " max_steps or max_epochs ends it first",
     )
     parser.add_argument(
         "--out", type=Path, help="the folder for every run and the report (default: compare-DATE-TIME here)"

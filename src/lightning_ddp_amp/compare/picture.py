@@ -25,6 +25,8 @@ PANELS = (
     ("Step time (ms), without warm-up", "step_time_s"),
     ("Validation and test metrics", "metrics"),
 )
+#: The loss-scale panel's text where no run scaled its loss (float32 and bfloat16 runs, for example).
+NO_LOSS_SCALE = "no run has a loss scale: none trained in float16 with loss scaling"
 #: Characters of the command per title line: about what 14 inches hold at the title's 10 points.
 TITLE_WIDTH = 175
 #: Multiplies a series for drawing: fractions are drawn in percent, seconds in milliseconds.
@@ -65,6 +67,10 @@ def plot(report: dict[str, Any], path: Path) -> Any:
         if key == "metrics":
             _metrics(axis, entries, colours)
             continue
+        if key == "loss_scale" and not any(_has_a_loss_scale(entry) for entry in entries):
+            axis.text(0.5, 0.5, NO_LOSS_SCALE, ha="center", transform=axis.transAxes)
+            axis.set_yticks([])
+            continue
         for entry in entries:
             if key in ("relative_loss_difference", "weight_distance") and (
                 entry["status"] == "baseline" or entry["summary"] is None
@@ -94,6 +100,10 @@ def plot(report: dict[str, Any], path: Path) -> Any:
     figure.savefig(path, dpi=80)
     pyplot.close(figure)
     return figure
+
+
+def _has_a_loss_scale(entry: dict[str, Any]) -> bool:
+    return any(value is not None and math.isfinite(value) for value in entry["series"]["loss_scale"])
 
 
 def _metrics(axis: Any, entries: list[dict[str, Any]], colours: dict[str, str]) -> None:

@@ -23,7 +23,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         "",
         *_wrap(
-            f"compare: {len(entries)} runs of {report['steps']} steps at most, baseline {report['baseline']},"
+            f"compare: {len(entries)} runs of {_steps_run(report)}, baseline {report['baseline']},"
             f" on {report.get('hardware', 'this machine')}"
         ),
     ]
@@ -53,6 +53,15 @@ def render(report: dict[str, Any]) -> str:
     if report["problem"]:
         lines += _wrap(f"PROBLEM: {report['problem']}", "  ")
     return "\n".join(lines)
+
+
+def _steps_run(report: dict[str, Any]) -> str:
+    """How many steps the runs that finished took, beside ``--steps`` where the script stopped them sooner."""
+    taken = sorted({len(e["series"]["step"]) for e in report["candidates"] if e["series"] and e["status"] != "failed"})
+    if not taken or taken == [report["steps"]]:
+        return f"{report['steps']} steps"
+    counted = f"{taken[0]} steps" if len(taken) == 1 else f"{taken[0]} to {taken[-1]} steps"
+    return f"{counted} (--steps {report['steps']}; the script's max_steps or max_epochs stopped them sooner)"
 
 
 def _context(report: dict[str, Any]) -> list[str]:
