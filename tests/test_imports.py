@@ -43,6 +43,8 @@ NOT_LIGHTNING = {
     "_amp_state": "apex amp's module state, which holds O1's handle",
     "_enable_caching": "apex amp's O1 handle: what amp.init(enable_caching=False) sets",
     "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare.recorder)",
+    "_weights_only_unpickler": "torch's module of its weights-only unpickler (safe_load)",
+    "_get_allowed_globals": "torch's weights-only allowlist, the one list of what a tensor is pickled with (safe_load)",
 }
 
 #: The import paths the README and docs show, and the names they import from each.
@@ -67,7 +69,7 @@ PUBLIC = {
 
 #: The parts of the package, by folder or top-level module ("" is the package's ``__init__``), lowest layer first.
 LAYERS: list[dict[str, set[str]]] = [
-    {"base": {"errors", "_lightning", "_namespaces"}},
+    {"base": {"errors", "_lightning", "_namespaces", "safe_load"}},
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
     {"migrate": {"migrate"}},
