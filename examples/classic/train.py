@@ -8,6 +8,7 @@ test double (tests/doubles), and check that the migrated script ends in the same
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -81,8 +82,10 @@ def main() -> None:
     if rank == 0:
         state = {"model_a": model_a.module.state_dict(), "model_b": model_b.module.state_dict()}
         torch.save({**state, "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}, args.checkpoint)
-    # Free the DDP models first: their reducers hold the group, and gloo's teardown at exit can abort the process.
-    del model_a, model_b
+    # Let go of everything that holds the last collectives (the DDP models, the loss's graph, the optimizer) while
+    # the interpreter is still alive: a gloo worker that frees one after Python began to exit aborts the process.
+    del model_a, model_b, loss, scaled_loss, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
