@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent.parent
 #: The apex backend's one line in the registry of lightning_ddp_amp/amp/amp_backend.py.
 APEX_REGISTRATION = '    "apex": "lightning_ddp_amp.amp.apex_amp:ApexAmp",\n'
 #: The native backend's tests: these files, less the tests that use the apex double (deselected by the plugin
-#: below) and the four that need the apex backend itself: three name it in a message, one falls back from it.
+#: below) and the five that need the apex backend itself: three name it in a message, two fall back from it.
 NATIVE_TESTS = (
     "tests/test_precision.py",
     "tests/test_torch_features.py",
@@ -26,6 +26,7 @@ NATIVE_TESTS = (
     "--deselect=tests/test_precision.py::test_bad_argument_names_the_field_its_value_and_the_fix[{'backend': 'cuda'}]",
     "--deselect=tests/test_precision.py::test_apex_not_installed_says_where_apex_amp_exists_and_the_native_alternatives",
     "--deselect=tests/test_precision.py::test_falling_back_to_native_prints_one_line_with_the_mapping",
+    "--deselect=tests/test_precision.py::test_falling_back_with_a_fixed_loss_scale_names_the_scale",
     "--deselect=tests/test_precision.py::test_apex_on_a_machine_without_cuda_says_so_and_points_at_amp_first",
 )
 #: Run in the subprocess: check that the copy, not the checkout, is what the tests import, then run them.

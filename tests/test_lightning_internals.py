@@ -496,10 +496,10 @@ def test_lightning_names_are_imported_from_the_package_that_exports_them() -> No
 
 def _package_classes() -> Iterator[type[Any]]:
     """Every class the package defines (the one source of truth, not the ``pytorch_lightning`` flavour)."""
-    for module in pkgutil.iter_modules(lightning_ddp_amp.__path__):
-        if module.ispkg or module.name == "__main__":
+    for module in pkgutil.walk_packages(lightning_ddp_amp.__path__, "lightning_ddp_amp."):
+        if module.ispkg or module.name.split(".")[1] in ("__main__", "pytorch_lightning") or "._site" in module.name:
             continue
-        imported = importlib.import_module(f"lightning_ddp_amp.{module.name}")
+        imported = importlib.import_module(module.name)
         for _, cls in inspect.getmembers(imported, inspect.isclass):
             if cls.__module__ == imported.__name__:
                 yield cls
