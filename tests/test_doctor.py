@@ -159,11 +159,24 @@ def test_bad_environment_is_a_problem_with_its_fix_and_exit_status_one() -> None
 
 
 def test_unsupported_lightning_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = doctor._distribution_version
-    monkeypatch.setattr(doctor, "_distribution_version", lambda name: "2.4.0" if name == "lightning" else real(name))
+    real = doctor.installed
+    monkeypatch.setattr(doctor, "installed", lambda name: "2.4.0" if name == "lightning" else real(name))
     problems = doctor.report({})["problems"]
     assert {"problem": "lightning 2.4.0 is outside the releases lightning-ddp-amp is tested with",
             "fix": "pip install 'lightning>=2.5.0,<2.7.0'"} in problems  # fmt: skip
+
+
+def test_env_and_compare_json_name_each_installed_version_with_one_key() -> None:
+    from lightning_ddp_amp.command import version
+    from lightning_ddp_amp.compare.report import _versions
+
+    env = doctor.report({})["versions"]
+    compared = _versions()
+    shared = {"python", "torch", "lightning", "pytorch_lightning", "lightning_ddp_amp"}
+    assert shared <= env.keys() and shared <= compared.keys()
+    assert {name: env[name] for name in shared} == {name: compared[name] for name in shared}
+    assert env["lightning_ddp_amp"] is not None
+    assert version().startswith(f"lightning-ddp-amp {env['lightning_ddp_amp']} (torch {env['torch']},")
 
 
 def fake_apex(root: Path, files: dict[str, str]) -> Path:

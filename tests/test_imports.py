@@ -69,7 +69,7 @@ PUBLIC = {
 
 #: The parts of the package, by folder or top-level module ("" is the package's ``__init__``), lowest layer first.
 LAYERS: list[dict[str, set[str]]] = [
-    {"base": {"errors", "_lightning", "_namespaces", "safe_load"}},
+    {"base": {"errors", "_lightning", "_namespaces", "safe_load", "versions", "precision_strings"}},
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
     {"migrate": {"migrate"}},

@@ -6,6 +6,8 @@ import difflib
 import sys
 from collections.abc import Sequence
 
+from lightning_ddp_amp.versions import installed
+
 #: Every subcommand, with what it does.
 COMMANDS = {
     "env": "report the launcher, devices, versions and apex, with fixes (lightning-ddp-amp env --help)",
@@ -50,12 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def version() -> str:
     """The package's version, with torch's and Lightning's."""
-    import importlib.metadata
-
-    def installed(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    return f"lightning-ddp-amp {installed('lightning-ddp-amp')} (torch {installed('torch')}, lightning {installed('lightning')})"
+    package, torch, lightning = (
+        installed(name) or "not installed" for name in ("lightning_ddp_amp", "torch", "lightning")
+    )
+    return f"lightning-ddp-amp {package} (torch {torch}, lightning {lightning})"

@@ -13,7 +13,6 @@ interpreter that imports it (the segmentation fault users meet in ``scaled_loss.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import ipaddress
 import json
@@ -49,6 +48,7 @@ from lightning_ddp_amp.launch.environment import (
     read_topology,
     started_by,
 )
+from lightning_ddp_amp.versions import installed
 
 #: The oldest torch release the package supports (pyproject.toml: torch>=2.1; CI runs 2.1.2, 2.13.0 and the newest).
 OLDEST_TORCH = Version("2.1")
@@ -261,13 +261,13 @@ def _versions(problems: list[dict[str, str]]) -> dict[str, Any]:
     section: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "lightning_ddp_amp": _distribution_version("lightning-ddp-amp"),
+        "lightning_ddp_amp": installed("lightning_ddp_amp"),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "cudnn": _cudnn_version(),
         "nccl": _nccl_version(),
-        "lightning": _distribution_version("lightning"),
-        "pytorch_lightning": _distribution_version("pytorch-lightning"),
+        "lightning": installed("lightning"),
+        "pytorch_lightning": installed("pytorch_lightning"),
     }
     # What this torch lacks, probed, and what the package does without it.
     section["torch_gaps"] = process_group.torch_gaps() + native_amp.torch_gaps()
@@ -280,11 +280,11 @@ def _versions(problems: list[dict[str, str]]) -> dict[str, Any]:
         )
     low, high = _lightning.TESTED_LIGHTNING
     for name in ("lightning", "pytorch_lightning"):
-        installed = section[name]
-        if installed is not None and not low <= Version(installed) < high:
+        found = section[name]
+        if found is not None and not low <= Version(found) < high:
             problems.append(
                 {
-                    "problem": f"{name} {installed} is outside the releases lightning-ddp-amp is tested with",
+                    "problem": f"{name} {found} is outside the releases lightning-ddp-amp is tested with",
                     "fix": f"pip install '{name.replace('_', '-')}>={low},<{high}'",
                 }
             )
@@ -302,13 +302,6 @@ def _nccl_version() -> str | None:
     if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
         return None
     return ".".join(map(str, torch.cuda.nccl.version()))  # type: ignore[no-untyped-call]
-
-
-def _distribution_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _backends(problems: list[dict[str, str]]) -> dict[str, Any]:

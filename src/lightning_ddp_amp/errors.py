@@ -54,3 +54,28 @@ class PeerError(LightningDDPAmpError, RuntimeError):
 
 class CheckpointError(LightningDDPAmpError, RuntimeError):
     """A checkpoint cannot be resumed from: truncated, not a Lightning checkpoint, or written for another job."""
+
+
+def whole_number(
+    error: type[LightningDDPAmpError],
+    field: str,
+    value: object,
+    problem: str,
+    fix: str,
+    *,
+    minimum: int | None = None,
+    below: int | None = None,
+) -> int:
+    """``value``, if it is an ``int`` (a bool is one to Python, never to a user) from ``minimum`` up to ``below``.
+
+    Raises:
+        LightningDDPAmpError: ``error(field, value, problem, fix)``, when it is not.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or (minimum is not None and value < minimum)
+        or (below is not None and value >= below)
+    ):
+        raise error(field, value, problem, fix)
+    return value

@@ -42,7 +42,8 @@ from torch.nn import Module
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.precision import AmpPrecision
 from lightning_ddp_amp.ddp.resume import AtomicCheckpointIO
-from lightning_ddp_amp.errors import CheckpointError
+from lightning_ddp_amp.errors import CheckpointError, whole_number
+from lightning_ddp_amp.precision_strings import OPT_LEVELS
 from lightning_ddp_amp.safe_load import load_checkpoint
 
 #: The classic entries that are not a model's weights, by what they become.
@@ -96,7 +97,7 @@ def convert_apex_checkpoint(
     loss_scalers = _loss_scalers(source, classic.get("amp"))
     state, fp16 = _map_weights(source, classic, module, dict(names or {}))
     level = opt_level or ("O2" if fp16 else "O1")
-    if level not in ("O0", "O1", "O2", "O3"):
+    if level not in OPT_LEVELS:
         raise CheckpointError("opt_level", opt_level, "apex's opt_levels are O0, O1, O2 and O3", "e.g. opt_level='O1'")
     done = _count(classic, "epoch", ("epoch",), epoch)
     steps = _count(classic, "global_step", STEP_KEYS, global_step)
@@ -244,11 +245,14 @@ def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: in
     value = given if given is not None else next((classic[key] for key in keys if key in classic), 0)
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointError(
-            field, value, "it must be a whole number, 0 or more", f"pass {field}=N to convert_apex_checkpoint"
-        )
-    return value
+    return whole_number(
+        CheckpointError,
+        field,
+        value,
+        "it must be a whole number, 0 or more",
+        f"pass {field}=N to convert_apex_checkpoint",
+        minimum=0,
+    )
 
 
 def _loss_scalers(source: Path, amp_state: object) -> list[dict[str, float]]:

@@ -8,13 +8,13 @@ its CUDA extensions. The package called ``apex`` on PyPI is an unrelated web too
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
 from lightning_ddp_amp.errors import ApexUnavailableError
+from lightning_ddp_amp.versions import installed
 
 NATIVE_ALTERNATIVES = 'use the native backend instead: precision="amp-O1" (same O-levels) or precision="16-mixed"'
 APEX_INSTALL = (
@@ -47,10 +47,7 @@ def installation() -> dict[str, Any] | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     root = Path(next(iter(spec.submodule_search_locations)))
-    try:
-        version: str | None = importlib.metadata.version("apex")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
+    version = installed("apex")
     try:
         double = "IS_TEST_DOUBLE = True" in (root / "__init__.py").read_text(errors="replace")
     except OSError:
@@ -112,7 +109,5 @@ def _broken(name: str, field: str, value: Any, error: Exception) -> NoReturn:
 
 
 def _apex_version() -> str:
-    try:
-        return "apex " + importlib.metadata.version("apex")
-    except importlib.metadata.PackageNotFoundError:
-        return "apex, version unknown"
+    version = installed("apex")
+    return "apex, version unknown" if version is None else f"apex {version}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -36,14 +35,13 @@ from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
-from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
+from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError, whole_number
+from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG, OptLevel
 
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
 BACKENDS = ("auto", *backend_names())
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
-#: The precision strings this package adds to ``Trainer(precision=...)``, and the backend each family asks for.
-PRECISION_FLAG = re.compile(r"^(apex|amp|native)-(O[0-3])$")
+#: The backend each family of the precision strings (:data:`PRECISION_FLAG`) asks for.
 FLAG_BACKENDS = {"apex": "apex", "amp": "auto", "native": "native"}
 
 
@@ -72,7 +70,7 @@ class AmpPrecision(Precision):
 
     def __init__(
         self,
-        opt_level: Literal["O0", "O1", "O2", "O3"] = "O1",
+        opt_level: OptLevel = "O1",
         backend: Literal["auto", "apex", "native"] = "auto",
         models: Sequence[str] | None = None,
         keep_batchnorm_fp32: bool | None = None,
@@ -90,7 +88,14 @@ class AmpPrecision(Precision):
         self.models = _check_models(models)
         self.keep_batchnorm_fp32 = keep_batchnorm_fp32
         self.loss_scale = _check_loss_scale(loss_scale)
-        self.num_losses = _check_positive_int("num_losses", num_losses)
+        self.num_losses = whole_number(
+            PrecisionConfigurationError,
+            "num_losses",
+            num_losses,
+            "it must be a whole number of at least 1",
+            "e.g. num_losses=1",
+            minimum=1,
+        )
         self.min_loss_scale, self.max_loss_scale = _check_scale_bounds(min_loss_scale, max_loss_scale)
         self.cast_model_outputs = _to_dtype("cast_model_outputs", cast_model_outputs)
         self.dtype = DTYPES[dtype]
@@ -310,13 +315,15 @@ class AmpPrecision(Precision):
         Raises:
             PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers.
         """
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
-            raise PrecisionConfigurationError(
-                "loss_id",
-                loss_id,
-                f"AmpPrecision has num_losses={self.num_losses} loss scaler(s), numbered from 0",
-                "use a smaller loss_id, or raise AmpPrecision(num_losses=...)",
-            )
+        whole_number(
+            PrecisionConfigurationError,
+            "loss_id",
+            loss_id,
+            f"AmpPrecision has num_losses={self.num_losses} loss scaler(s), numbered from 0",
+            "use a smaller loss_id, or raise AmpPrecision(num_losses=...)",
+            minimum=0,
+            below=self.num_losses,
+        )
         if optimizers is None:
             chosen = [optimizer] if optimizer is not None else self._optimizers
         else:
@@ -632,12 +639,6 @@ def _check_loss_scale(loss_scale: float | str | None) -> float | str | None:
         raise PrecisionConfigurationError(
             "loss_scale", loss_scale, 'it must be "dynamic" or a positive number', 'e.g. loss_scale="dynamic" or 128.0'
         )
-    return value
-
-
-def _check_positive_int(field: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PrecisionConfigurationError(field, value, "it must be a whole number of at least 1", f"e.g. {field}=1")
     return value
 
 

@@ -40,9 +40,10 @@ from typing import IO, TextIO
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.compare import report as compare_report
 from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.recorder import AMP_LEVEL, PLAN_VARIABLE, Plan
+from lightning_ddp_amp.compare.recorder import PLAN_VARIABLE, Plan
 from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
 from lightning_ddp_amp.errors import CheckpointError
+from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG
 
 #: ``--steps``: enough for a loss curve to settle into its trend on most models, short enough to run before a switch.
 DEFAULT_STEPS = 200
@@ -205,14 +206,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_precision(name: str, command_line: argparse.ArgumentParser) -> None:
     """Refuse, before any run starts, a precision no run could start with (exit 2, the nearest name suggested)."""
     lightning = _lightning.precision_values()
-    if AMP_LEVEL.match(name) or name in lightning:
+    if PRECISION_FLAG.match(name) or name in lightning:
         return
     level = re.fullmatch(r"(apex|amp|native)-O(\d+)", name)
     if level:
         command_line.error(
             f"PRECISION={name!r}: apex's opt_levels are O0 to O3. Fix: name {level.group(1)}-O0 ... {level.group(1)}-O3"
         )
-    known = [f"{kind}-O{n}" for kind in ("apex", "amp", "native") for n in range(4)] + list(lightning)
+    known = [f"{kind}-{level}" for kind in ("apex", "amp", "native") for level in OPT_LEVELS] + list(lightning)
     nearest = difflib.get_close_matches(name, known, n=1)
     hint = f"did you mean {nearest[0]!r}? " if nearest else ""
     command_line.error(

@@ -130,9 +130,9 @@ def _label(entry: dict[str, Any]) -> str:
 
 def _title(report: dict[str, Any]) -> str:
     versions = report["versions"]
-    lightning = versions.get("lightning") or versions.get("pytorch-lightning")
+    lightning = versions.get("lightning") or versions.get("pytorch_lightning")
     apex = f", apex {versions['apex']}" if versions.get("apex") else ""
     return (
         f"{textwrap.fill(shlex.join(report['command']), TITLE_WIDTH)}\n{report.get('hardware', '')} · torch"
-        f" {versions['torch']} · Lightning {lightning} · lightning-ddp-amp {versions.get('lightning-ddp-amp')}{apex}"
+        f" {versions['torch']} · Lightning {lightning} · lightning-ddp-amp {versions.get('lightning_ddp_amp')}{apex}"
     )

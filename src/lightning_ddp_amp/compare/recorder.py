@@ -46,7 +46,6 @@ import inspect
 import json
 import math
 import os
-import re
 import resource
 import sys
 import time
@@ -60,6 +59,7 @@ from torch import Tensor
 
 from lightning_ddp_amp.compare import overflow
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
+from lightning_ddp_amp.precision_strings import PRECISION_FLAG
 
 #: The environment variable naming a run's plan file (``_compare_site/sitecustomize.py`` reads it too).
 PLAN_VARIABLE = "LIGHTNING_DDP_AMP_COMPARE"
@@ -68,10 +68,6 @@ RECORD_FILE = "record.json"
 FINAL_WEIGHTS = "weights-final.pt"
 START_WEIGHTS = "weights-start.pt"
 _MARK = "__lightning_ddp_amp_compare__"
-#: The precisions AmpPrecision runs: ``apex-O*``, ``amp-O*`` and ``native-O*``
-#: (``AmpPrecision(opt_level=..., backend="native")``, torch's AMP even where apex is installed), as
-#: ``lightning_ddp_amp.amp.precision.PRECISION_FLAG`` reads them (not imported: compare imports no Lightning).
-AMP_LEVEL = re.compile(r"^(apex|amp|native)-(O[0-3])$")
 #: What a script's own AmpPrecision keeps when compare changes its level or backend.
 CARRIED_SETTINGS = (
     "models",
@@ -226,7 +222,7 @@ def _replace_arguments(
     if removed:
         plugins = [plugin for plugin in plugins if plugin not in removed]
         changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
-    level = AMP_LEVEL.match(plan.precision)
+    level = PRECISION_FLAG.match(plan.precision)
     configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
     if level is None:
         given["precision"] = plan.precision

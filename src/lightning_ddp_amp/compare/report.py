@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import math
 import platform
@@ -47,6 +46,7 @@ from lightning_ddp_amp.compare.recorder import (
     timed_steps,
     weight_distance,
 )
+from lightning_ddp_amp.versions import installed
 
 #: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
 SCHEMA = "lightning-ddp-amp/compare/1"
@@ -697,11 +697,8 @@ def percent(value: float | None) -> str:
 
 def _versions() -> dict[str, str | None]:
     found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("lightning", "pytorch-lightning", "lightning-ddp-amp"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
+    for name in ("lightning", "pytorch_lightning", "lightning_ddp_amp"):
+        found[name] = installed(name)
     apex = _apex()
     found["apex"] = None if apex is None else apex["version"]
     return found

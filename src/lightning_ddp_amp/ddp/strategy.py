@@ -66,7 +66,7 @@ from lightning_ddp_amp.ddp.trainer_flags import (
     log_once,
     master_weights,
 )
-from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
 from lightning_ddp_amp.launch.environment import Topology, started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
@@ -173,11 +173,14 @@ class EnvDDPStrategy(DDPStrategy):
     ) -> None:
         # Filled by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
         self._flags = TrainerFlags()
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise StrategyConfigurationError(
-                "max_restarts", max_restarts, "it must be a whole number of restarts, 0 or more", "pass e.g. 3"
-            )
-        self.max_restarts = max_restarts
+        self.max_restarts = whole_number(
+            StrategyConfigurationError,
+            "max_restarts",
+            max_restarts,
+            "it must be a whole number of restarts, 0 or more",
+            "pass e.g. 3",
+            minimum=0,
+        )
         named = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,

@@ -21,7 +21,7 @@ from lightning.fabric.plugins.environments import (
 )
 from typing_extensions import override
 
-from lightning_ddp_amp.errors import LauncherEnvironmentError, StrategyConfigurationError
+from lightning_ddp_amp.errors import LauncherEnvironmentError, StrategyConfigurationError, whole_number
 from lightning_ddp_amp.launch.environment import Topology, detect_launcher
 
 #: What Lightning's Trainer picks by itself when it is given no ClusterEnvironment. Each stands for a launcher envddp
@@ -202,11 +202,9 @@ def _ask(name: str, what: str, read: Callable[[], object]) -> object:
 def _ask_int(
     name: str, what: str, read: Callable[[], object], *, minimum: int, below: tuple[int, str] | None = None
 ) -> int:
-    value = _ask(name, what, read)
     field = f"{name}.{what}"
     fix = f"check what {name} reads in this process"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LauncherEnvironmentError(field, value, "it is not an integer", fix)
+    value = whole_number(LauncherEnvironmentError, field, _ask(name, what, read), "it is not an integer", fix)
     if value < minimum:
         raise LauncherEnvironmentError(field, value, f"it must be at least {minimum}", fix)
     if below is not None and value >= below[0]:

@@ -14,7 +14,6 @@ interpreter that imports it (the segmentation fault users meet in ``scaled_loss.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import ipaddress
 import json
@@ -50,6 +49,7 @@ from lightning_ddp_amp.launch.environment import (
     read_topology,
     started_by,
 )
+from lightning_ddp_amp.versions import installed
 
 #: The oldest torch release the package supports (pyproject.toml: torch>=2.1; CI runs 2.1.2, 2.13.0 and the newest).
 OLDEST_TORCH = Version("2.1")
@@ -146,10 +146,6 @@ def _cudnn_version() -> int | None:
 
 
 def _nccl_version() -> str | None:
-    ...
-
-
-def _distribution_version(name: str) -> str | None:
     ...
 
 

@@ -43,7 +43,8 @@ from torch.nn import Module
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision
 from lightning_ddp_amp.pytorch_lightning.ddp.resume import AtomicCheckpointIO
-from lightning_ddp_amp.errors import CheckpointError
+from lightning_ddp_amp.errors import CheckpointError, whole_number
+from lightning_ddp_amp.precision_strings import OPT_LEVELS
 from lightning_ddp_amp.safe_load import load_checkpoint
 
 #: The classic entries that are not a model's weights, by what they become.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -37,14 +36,13 @@ from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
-from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
+from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError, whole_number
+from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG, OptLevel
 
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
 BACKENDS = ("auto", *backend_names())
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
-#: The precision strings this package adds to ``Trainer(precision=...)``, and the backend each family asks for.
-PRECISION_FLAG = re.compile(r"^(apex|amp|native)-(O[0-3])$")
+#: The backend each family of the precision strings (:data:`PRECISION_FLAG`) asks for.
 FLAG_BACKENDS = {"apex": "apex", "amp": "auto", "native": "native"}
 
 
@@ -73,7 +71,7 @@ class AmpPrecision(Precision):
 
     def __init__(
         self,
-        opt_level: Literal["O0", "O1", "O2", "O3"] = "O1",
+        opt_level: OptLevel = "O1",
         backend: Literal["auto", "apex", "native"] = "auto",
         models: Sequence[str] | None = None,
         keep_batchnorm_fp32: bool | None = None,
@@ -359,10 +357,6 @@ def _check_models(models: Sequence[str] | None) -> tuple[str, ...] | None:
 
 
 def _check_loss_scale(loss_scale: float | str | None) -> float | str | None:
-    ...
-
-
-def _check_positive_int(field: str, value: object) -> int:
     ...
 
 

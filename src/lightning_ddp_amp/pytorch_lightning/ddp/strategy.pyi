@@ -67,7 +67,7 @@ from lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags import (
     log_once,
     master_weights,
 )
-from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
 from lightning_ddp_amp.launch.environment import Topology, started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,

@@ -22,7 +22,7 @@ from lightning_fabric.plugins.environments import (
 )
 from typing_extensions import override
 
-from lightning_ddp_amp.errors import LauncherEnvironmentError, StrategyConfigurationError
+from lightning_ddp_amp.errors import LauncherEnvironmentError, StrategyConfigurationError, whole_number
 from lightning_ddp_amp.launch.environment import Topology, detect_launcher
 
 #: What Lightning's Trainer picks by itself when it is given no ClusterEnvironment. Each stands for a launcher envddp
