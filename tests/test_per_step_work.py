@@ -39,6 +39,8 @@ DOCUMENTED = {
 DOCUMENTED_AMP = DOCUMENTED | {
     "precision.AmpPrecision.backward",
     "precision.AmpPrecision.backward.<locals>.run_backward",
+    # backward's check of the loss_id it is given (a few isinstance tests).
+    "errors.whole_number",
     "precision.AmpPrecision.convert_input",
     "precision.AmpPrecision.forward_context",
     "precision.AmpPrecision.amp_backend",

@@ -1,6 +1,6 @@
 """The interface :class:`~lightning_ddp_amp.AmpPrecision` delegates to, and the registry of its backends.
 
-``AmpPrecision`` validates its arguments, picks a backend by name and hands each Lightning hook to it. A backend
+``AmpPrecision`` validates its arguments (:mod:`~lightning_ddp_amp.amp.settings`), picks a backend by name and hands each Lightning hook to it. A backend
 answers those hooks for one AMP implementation: :class:`~lightning_ddp_amp.amp.apex_amp.ApexAmp` (NVIDIA apex amp) or
 :class:`~lightning_ddp_amp.amp.native_amp.NativeAmp` (torch.amp). Hooks a backend does not need keep the defaults here.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -23,6 +22,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import LightningDDPAmpError, PrecisionConfigurationError
 
 #: The backends by name, as ``module:class``, in the order ``backend="auto"`` tries them. A backend is imported
@@ -34,20 +34,6 @@ _REGISTRY = {
 
 #: AmpPrecision's way of choosing the modules amp acts on (``models``, ``configure_amp_models()`` or the module).
 ModuleSelector = Callable[[LightningModule], list[Module]]
-
-
-@dataclasses.dataclass(frozen=True)
-class AmpSettings:
-    """AmpPrecision's validated arguments, as every backend reads them (see :class:`~lightning_ddp_amp.AmpPrecision`)."""
-
-    opt_level: str
-    dtype: torch.dtype
-    keep_batchnorm_fp32: bool | None
-    loss_scale: float | str | None
-    num_losses: int
-    min_loss_scale: float | None
-    max_loss_scale: float
-    cast_model_outputs: torch.dtype | None
 
 
 class AmpBackend(abc.ABC):

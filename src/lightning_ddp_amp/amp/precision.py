@@ -34,12 +34,13 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
-from lightning_ddp_amp.amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
+from lightning_ddp_amp.amp.amp_backend import AmpBackend, backend_names, choose_backend
+from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
+from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_models
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError, whole_number
-from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG, OptLevel
+from lightning_ddp_amp.precision_strings import PRECISION_FLAG, OptLevel
 
 BACKENDS = ("auto", *backend_names())
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 #: The backend each family of the precision strings (:data:`PRECISION_FLAG`) asks for.
 FLAG_BACKENDS = {"apex": "apex", "amp": "auto", "native": "native"}
@@ -81,35 +82,25 @@ class AmpPrecision(Precision):
         cast_model_outputs: str | torch.dtype | None = None,
         dtype: Literal["float16", "bfloat16"] = "float16",
     ) -> None:
-        _check_choice("opt_level", opt_level, OPT_LEVELS)
-        _check_choice("backend", backend, BACKENDS)
-        _check_choice("dtype", dtype, tuple(DTYPES))
-        self.opt_level = opt_level
-        self.models = _check_models(models)
-        self.keep_batchnorm_fp32 = keep_batchnorm_fp32
-        self.loss_scale = _check_loss_scale(loss_scale)
-        self.num_losses = whole_number(
-            PrecisionConfigurationError,
-            "num_losses",
-            num_losses,
-            "it must be a whole number of at least 1",
-            "e.g. num_losses=1",
-            minimum=1,
-        )
-        self.min_loss_scale, self.max_loss_scale = _check_scale_bounds(min_loss_scale, max_loss_scale)
-        self.cast_model_outputs = _to_dtype("cast_model_outputs", cast_model_outputs)
-        self.dtype = DTYPES[dtype]
-        _check_keep_batchnorm(keep_batchnorm_fp32, opt_level)
-        self._settings = AmpSettings(
+        check_choice("backend", backend, BACKENDS)
+        self.models = check_models(models)
+        self._settings = AmpSettings.checked(
             opt_level,
-            self.dtype,
+            dtype,
             keep_batchnorm_fp32,
-            self.loss_scale,
-            self.num_losses,
-            self.min_loss_scale,
-            self.max_loss_scale,
-            self.cast_model_outputs,
+            loss_scale,
+            num_losses,
+            min_loss_scale,
+            max_loss_scale,
+            cast_model_outputs,
         )
+        self.opt_level = opt_level
+        self.keep_batchnorm_fp32 = keep_batchnorm_fp32
+        self.loss_scale = self._settings.loss_scale
+        self.num_losses = self._settings.num_losses
+        self.min_loss_scale, self.max_loss_scale = self._settings.min_loss_scale, self._settings.max_loss_scale
+        self.cast_model_outputs = self._settings.cast_model_outputs
+        self.dtype = self._settings.dtype
         self._requested_backend = backend
         self.backend, self._backend_class, self._passed_over = choose_backend(backend, self._settings)
         self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
@@ -437,7 +428,11 @@ class AmpPrecision(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        message = describe_crossing(checkpoint, self)
+        message = (
+            None
+            if self.backend == "apex"
+            else describe_crossing(checkpoint, repr(self), self.amp_backend.scales_loss, reads_scale=True)
+        )
         if message is not None:
             rank_zero_info(message)
         state = checkpoint.get(type(self).__qualname__)
@@ -483,58 +478,6 @@ class SkipAwareScheduler:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.scheduler, name, value)
-
-
-def grad_scaler_state(scaler: dict[str, float]) -> dict[str, float]:
-    """One of AmpPrecision's loss scalers (``loss_scale``, ``unskipped``) as ``torch.amp.GradScaler.state_dict()``.
-
-    apex's dynamic scaler and torch's default GradScaler follow the same rule (double after 2000 clean steps, halve
-    on overflow), so only the scale and the count of clean steps move.
-    """
-    return {
-        "scale": float(scaler["loss_scale"]),
-        "growth_factor": 2.0,
-        "backoff_factor": 0.5,
-        "growth_interval": 2000,
-        "_growth_tracker": int(scaler["unskipped"]),
-    }
-
-
-def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | None:
-    """What crosses, and what does not, when a checkpoint written under apex amp resumes under ``plugin``.
-
-    None when the checkpoint was not written by AmpPrecision under apex, or when ``plugin`` runs apex too.
-    """
-    state = checkpoint.get(AmpPrecision.__qualname__)
-    if not isinstance(state, dict) or state.get("backend") != "apex":
-        return None
-    if isinstance(plugin, AmpPrecision):
-        if plugin.backend == "apex":
-            return None
-        target, scales = repr(plugin), plugin.amp_backend.scales_loss
-    else:
-        target = f"{type(plugin).__name__}(precision={getattr(plugin, 'precision', None)!r})"
-        scales = getattr(plugin, "scaler", None) is not None
-    carried, dropped = [], []
-    if state.get("fp32_weights"):
-        carried.append("apex O2's fp32 master weights (the checkpoint's weights)")
-    elif state.get("rebuild_masters"):
-        carried.append("the weights (a classic apex O2 checkpoint's fp16 weights: it saved no fp32 masters)")
-    elif state.get("opt_level") == "O3":
-        carried.append("the weights (fp16 under apex O3)")
-    else:
-        carried.append("the fp32 weights")
-    scalers = state.get("loss_scalers") or []
-    if scalers and scales and (isinstance(plugin, AmpPrecision) or "MixedPrecision" in checkpoint):
-        carried.append(f"the loss scale {scalers[0]['loss_scale']:g}")
-    elif scalers:
-        dropped.append(
-            f"the loss scale {scalers[0]['loss_scale']:g} ({target} {'starts its own' if scales else 'scales no loss'})"
-        )
-    if len(scalers) > 1:
-        dropped.append(f"the loss scales of loss_id 1 to {len(scalers) - 1} (one scaler scales every loss here)")
-    message = f"Resuming a checkpoint of apex amp {state.get('opt_level', '')} under {target}: carried {', '.join(carried) or 'nothing'}"
-    return message + (f"; dropped {'; '.join(dropped)}" if dropped else "")
 
 
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
@@ -599,65 +542,3 @@ def _submodule(root: Module, name: str) -> Module:
             "name attributes of the LightningModule that hold torch.nn.Module, e.g. models=['model_a']",
         ) from None
     return module
-
-
-def _check_choice(field: str, value: object, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise PrecisionConfigurationError(
-            field, value, f"it must be one of {', '.join(repr(c) for c in choices)}", "use one of those values"
-        )
-
-
-def _check_keep_batchnorm(keep_batchnorm_fp32: bool | None, opt_level: str) -> None:
-    if keep_batchnorm_fp32 is not None and opt_level in ("O0", "O1"):
-        raise PrecisionConfigurationError(
-            "keep_batchnorm_fp32",
-            keep_batchnorm_fp32,
-            f"it only applies to opt_level O2 and O3 (opt_level={opt_level!r} keeps batchnorm in fp32 anyway)",
-            "leave keep_batchnorm_fp32 unset",
-        )
-
-
-def _check_models(models: Sequence[str] | None) -> tuple[str, ...] | None:
-    if models is None:
-        return None
-    if isinstance(models, str) or not all(isinstance(m, str) and m for m in models) or not models:
-        raise PrecisionConfigurationError(
-            "models", models, "it must be a non-empty list of attribute names", "e.g. models=['model_a', 'model_b']"
-        )
-    return tuple(models)
-
-
-def _check_loss_scale(loss_scale: float | str | None) -> float | str | None:
-    if loss_scale is None or loss_scale == "dynamic":
-        return loss_scale
-    try:
-        value = float(loss_scale)
-    except (TypeError, ValueError):
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise PrecisionConfigurationError(
-            "loss_scale", loss_scale, 'it must be "dynamic" or a positive number', 'e.g. loss_scale="dynamic" or 128.0'
-        )
-    return value
-
-
-def _check_scale_bounds(low: float | None, high: float) -> tuple[float | None, float]:
-    if low is not None and not low > 0:
-        raise PrecisionConfigurationError("min_loss_scale", low, "it must be positive", "e.g. min_loss_scale=1.0")
-    if not high > 0:
-        raise PrecisionConfigurationError("max_loss_scale", high, "it must be positive", "e.g. max_loss_scale=2**24")
-    if low is not None and low > high:
-        raise PrecisionConfigurationError(
-            "min_loss_scale", low, f"it is above max_loss_scale={high}", "make min_loss_scale ≤ max_loss_scale"
-        )
-    return low, high
-
-
-def _to_dtype(field: str, value: str | torch.dtype | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, str(value).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise PrecisionConfigurationError(field, value, "it is not a torch dtype", 'e.g. "float32" or torch.float32')
-    return dtype

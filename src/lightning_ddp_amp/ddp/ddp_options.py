@@ -10,9 +10,10 @@ nothing from Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,10 +88,10 @@ class DDPOptions:
     ) -> None:
         _refuse_model_averaging(extra, comm_state)
         self.given = {name: value for name, value in named.items() if value is not None}
-        #: ``apex.parallel.DistributedDataParallel`` for ``impl="apex"``; None for torch's. Any torch option given
-        #: is refused there, even at torch's default: that default differs between torch releases.
-        self.apex_class = _apex_ddp_class(impl, [*self.given, *(["ddp_comm_hook"] if comm_hook else [])])
-        _check_ddp_kwargs(self.apex_class or DistributedDataParallel, extra)
+        #: apex's wrapper for ``impl="apex"``; None for torch's. Any torch option given is refused there, even at
+        #: torch's default: that default differs between torch releases.
+        self.apex = _apex_ddp(impl, [*self.given, *(["ddp_comm_hook"] if comm_hook else [])])
+        _check_ddp_kwargs(self.apex.wrapper if self.apex else DistributedDataParallel, extra)
         self.extra = extra
 
     def to_kwargs(self, master_weights: bool) -> dict[str, Any]:
@@ -99,7 +100,7 @@ class DDPOptions:
         Args:
             master_weights: Whether the precision plugin keeps fp32 master weights (apex O2).
         """
-        if self.apex_class is not None:
+        if self.apex is not None:
             return dict(self.extra)
         options = {**self.deviations(master_weights), **self.given}
         changed = {name: value for name, value in options.items() if value != TORCH_DEFAULTS[name]}
@@ -118,7 +119,7 @@ class DDPOptions:
         return {
             name: deviation.not_with_master_weights
             for name, deviation in DEVIATIONS.items()
-            if self.apex_class is None and name not in self.given and deviation.not_with_master_weights
+            if self.apex is None and name not in self.given and deviation.not_with_master_weights
         }
 
     def refused_with_master_weights(self) -> dict[str, str]:
@@ -126,7 +127,7 @@ class DDPOptions:
         return {
             name: deviation.not_with_master_weights
             for name, deviation in DEVIATIONS.items()
-            if self.apex_class is None and self.given.get(name) == deviation.value and deviation.not_with_master_weights
+            if self.apex is None and self.given.get(name) == deviation.value and deviation.not_with_master_weights
         }
 
 
@@ -147,7 +148,35 @@ def _refuse_model_averaging(extra: dict[str, Any], comm_state: object) -> None:
     )
 
 
-def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | None:
+class ApexDDP:
+    """``apex.parallel.DistributedDataParallel``, as apex-era scripts wrapped with it: where it differs from torch's.
+
+    It is not a torch DDP, so the strategy asks it the three things it does differently: wrapping, accumulating
+    gradients locally (it has no ``no_sync()``) and recognising its own wrapper at teardown.
+    """
+
+    def __init__(self, wrapper: type[Module]) -> None:
+        self.wrapper = wrapper
+
+    def wrap(self, module: Module, kwargs: dict[str, Any]) -> Any:
+        """``module`` in apex's wrapper, given apex's own options."""
+        return self.wrapper(module, **kwargs)
+
+    def wraps(self, model: object) -> bool:
+        """Whether ``model`` is apex's wrapper."""
+        return isinstance(model, self.wrapper)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: Any) -> Iterator[None]:
+        """Accumulate gradients locally: pausing its allreduce is apex's way."""
+        model.disable_allreduce()
+        try:
+            yield
+        finally:
+            model.enable_allreduce()
+
+
+def _apex_ddp(ddp_impl: str, torch_options: list[str]) -> ApexDDP | None:
     if ddp_impl == "torch":
         return None
     if ddp_impl != "apex":
@@ -161,8 +190,7 @@ def _apex_ddp_class(ddp_impl: str, torch_options: list[str]) -> type[Module] | N
             f"{', '.join(torch_options)} belong to torch's DistributedDataParallel, which apex's does not have",
             "drop them, or pass apex's own options (message_size=..., delay_allreduce=...) as keyword arguments",
         )
-    ddp: type[Module] = load_apex_module("apex.parallel", "ddp_impl", "apex").DistributedDataParallel
-    return ddp
+    return ApexDDP(load_apex_module("apex.parallel", "ddp_impl", "apex").DistributedDataParallel)
 
 
 def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> None:
@@ -224,3 +252,12 @@ def check_comm_hook_backend(hook: Callable[..., Any] | None, wrapper: Callable[.
             f"torch's bfloat16 compression hook needs NCCL (CUDA), but the process group runs {backend}",
             'use ddp_comm_hook="fp16" on the CPU, or train on GPUs',
         )
+
+
+def register_comm_hook(
+    model: DistributedDataParallel, hook: Callable[..., Any] | None, wrapper: Callable[..., Any] | None, state: object
+) -> None:
+    """Register the communication hook (wrapped by ``wrapper``) on ``model``: on gloo too, where Lightning registers
+    hooks on CUDA only."""
+    if hook is not None:
+        model.register_comm_hook(state=state, hook=wrapper(hook) if wrapper is not None else hook)

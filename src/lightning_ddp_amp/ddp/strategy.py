@@ -41,7 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
-from lightning_ddp_amp.amp.precision import AmpPrecision, describe_crossing
+from lightning_ddp_amp.amp.crossing import crossing_into
+from lightning_ddp_amp.amp.precision import AmpPrecision
 from lightning_ddp_amp.ddp.data import (
     align_resumed_epoch,
     check_resumed_positions,
@@ -49,7 +50,12 @@ from lightning_ddp_amp.ddp.data import (
     shard_dataloader,
     warn_unshuffled_training_shards,
 )
-from lightning_ddp_amp.ddp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
+from lightning_ddp_amp.ddp.ddp_options import (
+    DDPOptions,
+    check_comm_hook_backend,
+    register_comm_hook,
+    resolve_comm_hook,
+)
 from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -74,6 +80,7 @@ from lightning_ddp_amp.launch.process_group import (
     destroy_process_group,
     explain_peer_failure,
     init_process_group,
+    mean_of_integers,
     resolve_timeout,
     started_by_script,
     torch_gaps,
@@ -189,6 +196,7 @@ class EnvDDPStrategy(DDPStrategy):
             "broadcast_buffers": broadcast_buffers,
         }
         self._ddp = DDPOptions(ddp_impl, named, ddp_kwargs, ddp_comm_state, comm_hook=bool(ddp_comm_hook))
+        self.timeout = resolve_timeout(timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -199,9 +207,8 @@ class EnvDDPStrategy(DDPStrategy):
             ddp_comm_hook=resolve_comm_hook(ddp_comm_hook),
             ddp_comm_wrapper=ddp_comm_wrapper,
             process_group_backend=process_group_backend,
-            timeout=resolve_timeout(timeout),
+            timeout=self.timeout,
         )
-        self.timeout = resolve_timeout(timeout)
         self.split_batches = split_batches
         self.exact_eval = exact_eval
         self._resume = AutoResume(auto_resume)
@@ -313,26 +320,15 @@ class EnvDDPStrategy(DDPStrategy):
                 log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
             return
         backend_given = self._process_group_backend is not None
-        self._process_group_backend = self._get_process_group_backend()
+        self._process_group_backend = backend = self._get_process_group_backend()
         if script_group:
             # A classic script's dist.init_process_group, kept before the Trainer: trained on if it is the group
             # envddp would start, and everything below is done on it as on envddp's own.
-            check_script_group(self.topology, self._process_group_backend, self.root_device, backend_given)
+            check_script_group(self.topology, backend, self.root_device, backend_given)
             if not self.topology.is_distributed:
                 return
-        check_comm_hook_backend(self._ddp_comm_hook, self._ddp_comm_wrapper, self._process_group_backend)
-        if script_group:
-            how = ", using the process group the script created"
-        elif dist.is_initialized():
-            # An earlier Trainer in this process started it; this strategy still needs its own preemption group.
-            how = ", using the process group an earlier Trainer started"
-        else:
-            init_process_group(self.topology, self._process_group_backend, self.timeout, self.root_device)
-            # Only the group started here is ended here: the script ends its own, perhaps in an atexit handler of
-            # its own that would fail on a group already gone (torch 2.1's exit hang is its script's, as before).
-            atexit.register(destroy_process_group)
-            # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
-            how = "".join(f"; {gap}" for gap in (torch_gaps() if self.root_device.type == "cuda" else []))
+        check_comm_hook_backend(self._ddp_comm_hook, self._ddp_comm_wrapper, backend)
+        how = ", using the process group the script created" if script_group else self._start_group(backend)
         self._resume.setup_distributed()
         rank_zero_info(
             f"envddp: {self.topology.world_size} ranks on {self.topology.num_nodes} node(s),"
@@ -340,6 +336,18 @@ class EnvDDPStrategy(DDPStrategy):
         )
         self.barrier("envddp: process group ready")
         self._group_ready = True
+
+    def _start_group(self, backend: str) -> str:
+        """Start envddp's own process group, unless an earlier Trainer in this process did; say how, for the log."""
+        if dist.is_initialized():
+            # An earlier Trainer in this process started it; this strategy still needs its own preemption group.
+            return ", using the process group an earlier Trainer started"
+        init_process_group(self.topology, backend, self.timeout, self.root_device)
+        # Only the group started here is ended here: the script ends its own, perhaps in an atexit handler of its
+        # own that would fail on a group already gone (torch 2.1's exit hang is its script's, as before).
+        atexit.register(destroy_process_group)
+        # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
+        return "".join(f"; {gap}" for gap in (torch_gaps() if self.root_device.type == "cuda" else []))
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -354,7 +362,7 @@ class EnvDDPStrategy(DDPStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # 3. The DataLoaders are sharded by process_dataloader; Lightning only shards predictions.
-        self._route_sampler_injection(trainer)
+        self._flags.route_sampler_injection(trainer)
         if fitting:
             # 4. Optimizers over the bare module's parameters, as the recipe builds them before amp and DDP.
             self.setup_optimizers(trainer)
@@ -389,37 +397,22 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        if self._ddp.apex_class is not None:
-            # apex's wrapper is not a torch DDP; Lightning treats self.model as a plain Module everywhere it matters.
-            wrapped: Any = self._ddp.apex_class(model, **self._ddp_kwargs)
-            return wrapped  # type: ignore[no-any-return]
+        if self._ddp.apex is not None:
+            # Lightning treats self.model as a plain Module everywhere it matters, apex's wrapper included.
+            return self._ddp.apex.wrap(model, self._ddp_kwargs)  # type: ignore[no-any-return]
         return super()._setup_model(model)
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
-        if self._ddp_comm_hook is None:
-            return
-        assert isinstance(self.model, DistributedDataParallel)
-        hook = self._ddp_comm_hook
-        if self._ddp_comm_wrapper is not None:
-            hook = self._ddp_comm_wrapper(hook)
-        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+        if isinstance(self.model, DistributedDataParallel):
+            register_comm_hook(self.model, self._ddp_comm_hook, self._ddp_comm_wrapper, self._ddp_comm_state)
 
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._ddp.apex_class is None or not isinstance(self.model, self._ddp.apex_class):
-            with super().block_backward_sync():
-                yield
-            return
-        # apex's DDP has no no_sync(); pausing its allreduce is its way to accumulate gradients locally.
-        wrapper: Any = self.model
-        wrapper.disable_allreduce()
-        try:
+        apex = self._ddp.apex
+        with apex.no_sync(self.model) if apex and apex.wraps(self.model) else super().block_backward_sync():
             yield
-        finally:
-            wrapper.enable_allreduce()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -437,12 +430,6 @@ class EnvDDPStrategy(DDPStrategy):
             progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),
             resuming=self._resuming,
         )
-
-    def _route_sampler_injection(self, trainer: Any) -> None:
-        if self._flags.shard_dataloaders is None:
-            self._flags.shard_dataloaders = _lightning.sampler_injection(trainer)
-        predicting = trainer.state.fn == TrainerFn.PREDICTING
-        _lightning.set_sampler_injection(trainer, self._flags.shard_dataloaders and predicting)
 
     @override
     def on_train_start(self) -> None:
@@ -478,24 +465,11 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
-
-        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
-        divide two such averages (sum of values / number of samples), so with the uneven shards of
-        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
-        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
-        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
-        """
-        if (
-            isinstance(tensor, Tensor)
-            and not tensor.is_floating_point()
-            and isinstance(reduce_op, str)
-            and reduce_op.lower() in ("mean", "avg")
-            and dist.is_initialized()
-        ):
-            total = tensor.to(torch.int64, copy=True)  # summed exactly: no overflow of small types, bools counted
-            dist.all_reduce(total, op=ReduceOp.SUM, group=group)
-            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)
+        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction (:func:`mean_of_integers
+        <lightning_ddp_amp.launch.process_group.mean_of_integers>`: ``exact_eval``'s uneven shards need it)."""
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
+            return mean_of_integers(tensor, group)
         return super().reduce(tensor, group, reduce_op)
 
     @property
@@ -535,7 +509,7 @@ class EnvDDPStrategy(DDPStrategy):
             raise unreadable_checkpoint(checkpoint_path, error) from error
         check_checkpoint(checkpoint, checkpoint_path)
         if not isinstance(self.precision_plugin, AmpPrecision):  # AmpPrecision says it in on_load_checkpoint
-            crossing = describe_crossing(checkpoint, self.precision_plugin)
+            crossing = crossing_into(checkpoint, self.precision_plugin)
             if crossing is not None:
                 rank_zero_info(crossing)
         auto_resumed = self.resumed_from is not None and Path(checkpoint_path) == self.resumed_from
@@ -544,7 +518,7 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._ddp.apex_class is not None and isinstance(self.model, self._ddp.apex_class):
+        if self._ddp.apex is not None and self._ddp.apex.wraps(self.model):
             self.model = self.lightning_module
         self._resume.stop()
         self._resuming = None

@@ -20,8 +20,10 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.launch import selflaunch
@@ -189,6 +191,14 @@ class TrainerFlags:
         if requested is not None and isinstance(accelerator, CUDAAccelerator):
             self._cuda_indices = [device.index for device in requested]
             self._devices = None
+
+    def route_sampler_injection(self, trainer: Any) -> None:
+        """Keep Lightning's own sampler injection for predictions only: envddp shards the other DataLoaders itself
+        (``EnvDDPStrategy.process_dataloader``), as ``use_distributed_sampler`` says."""
+        if self.shard_dataloaders is None:
+            self.shard_dataloaders = _lightning.sampler_injection(trainer)
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        _lightning.set_sampler_injection(trainer, self.shard_dataloaders and predicting)
 
     def start_missing_ranks(self, accelerator: Accelerator | None, max_restarts: int) -> None:
         """No launcher started this process: start one rank per device through torchrun, or train alone.

@@ -353,3 +353,17 @@ def broadcast_module_states(module: Module) -> None:
     """Every rank takes rank 0's parameters and buffers, as DDP's constructor does."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         dist.broadcast(tensor.detach(), src=0)
+
+
+def mean_of_integers(tensor: torch.Tensor, group: Any | None = None) -> torch.Tensor:
+    """The mean across ranks of an integer (or bool) tensor, keeping its fraction.
+
+    Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18; its epoch-level means divide two
+    such averages (sum of values / number of samples), so with uneven shards a logged mean came out wrong. Here the
+    sum is exact in int64 (no overflow of small types, bools counted) and the mean is a float of torch's default
+    dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with the float32
+    sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
+    """
+    total = tensor.to(torch.int64, copy=True)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.to(torch.get_default_dtype()) / dist.get_world_size(group)

@@ -26,8 +26,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, AmpSettings, ModuleSelector, cast_floats
+from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, ModuleSelector, cast_floats
 from lightning_ddp_amp.amp.apex_loader import find_amp, load_apex_module, missing_cuda
+from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 
 # The amp modules initialized so far in this process: apex documents one amp.initialize per process.

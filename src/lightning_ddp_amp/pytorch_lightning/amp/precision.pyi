@@ -35,12 +35,13 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, AmpSettings, backend_names, choose_backend
+from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, backend_names, choose_backend
+from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
+from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_models
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError, whole_number
-from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG, OptLevel
+from lightning_ddp_amp.precision_strings import PRECISION_FLAG, OptLevel
 
 BACKENDS = ("auto", *backend_names())
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 #: The backend each family of the precision strings (:data:`PRECISION_FLAG`) asks for.
 FLAG_BACKENDS = {"apex": "apex", "amp": "auto", "native": "native"}
@@ -298,23 +299,6 @@ class SkipAwareScheduler:
         ...
 
 
-def grad_scaler_state(scaler: dict[str, float]) -> dict[str, float]:
-    """One of AmpPrecision's loss scalers (``loss_scale``, ``unskipped``) as ``torch.amp.GradScaler.state_dict()``.
-
-    apex's dynamic scaler and torch's default GradScaler follow the same rule (double after 2000 clean steps, halve
-    on overflow), so only the scale and the count of clean steps move.
-    """
-    ...
-
-
-def describe_crossing(checkpoint: dict[str, Any], plugin: Precision) -> str | None:
-    """What crosses, and what does not, when a checkpoint written under apex amp resumes under ``plugin``.
-
-    None when the checkpoint was not written by AmpPrecision under apex, or when ``plugin`` runs apex too.
-    """
-    ...
-
-
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
     """Turn ``Trainer(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` into an :class:`AmpPrecision` in
     ``plugins``, with ``backend="apex"``, ``"auto"`` or ``"native"``.
@@ -341,28 +325,4 @@ def _device_type(accelerator: Accelerator) -> str:
 
 
 def _submodule(root: Module, name: str) -> Module:
-    ...
-
-
-def _check_choice(field: str, value: object, choices: Sequence[str]) -> None:
-    ...
-
-
-def _check_keep_batchnorm(keep_batchnorm_fp32: bool | None, opt_level: str) -> None:
-    ...
-
-
-def _check_models(models: Sequence[str] | None) -> tuple[str, ...] | None:
-    ...
-
-
-def _check_loss_scale(loss_scale: float | str | None) -> float | str | None:
-    ...
-
-
-def _check_scale_bounds(low: float | None, high: float) -> tuple[float | None, float]:
-    ...
-
-
-def _to_dtype(field: str, value: str | torch.dtype | None) -> torch.dtype | None:
     ...

@@ -42,7 +42,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
-from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision, describe_crossing
+from lightning_ddp_amp.amp.crossing import crossing_into
+from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision
 from lightning_ddp_amp.pytorch_lightning.ddp.data import (
     align_resumed_epoch,
     check_resumed_positions,
@@ -50,7 +51,12 @@ from lightning_ddp_amp.pytorch_lightning.ddp.data import (
     shard_dataloader,
     warn_unshuffled_training_shards,
 )
-from lightning_ddp_amp.ddp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
+from lightning_ddp_amp.ddp.ddp_options import (
+    DDPOptions,
+    check_comm_hook_backend,
+    register_comm_hook,
+    resolve_comm_hook,
+)
 from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -75,6 +81,7 @@ from lightning_ddp_amp.launch.process_group import (
     destroy_process_group,
     explain_peer_failure,
     init_process_group,
+    mean_of_integers,
     resolve_timeout,
     started_by_script,
     torch_gaps,
@@ -264,6 +271,10 @@ class EnvDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         ...
 
+    def _start_group(self, backend: str) -> str:
+        """Start envddp's own process group, unless an earlier Trainer in this process did; say how, for the log."""
+        ...
+
     @override
     def setup(self, trainer: Any) -> None:
         ...
@@ -284,7 +295,6 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks on CUDA only; gloo runs the compression hooks too.
         ...
 
     @override
@@ -294,9 +304,6 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        ...
-
-    def _route_sampler_injection(self, trainer: Any) -> None:
         ...
 
     @override
@@ -317,14 +324,8 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction.
-
-        Lightning averages integer tensors in place, truncating ``(19 + 18) / 2`` to 18. Its epoch-level means
-        divide two such averages (sum of values / number of samples), so with the uneven shards of
-        ``exact_eval`` a logged mean came out wrong. Here the mean of an integer tensor is a float of torch's
-        default dtype, as ``torch.mean`` of a float tensor would be: not float64, which apex O1 refuses to mix with
-        the float32 sum it divides (``{'FloatTensor', 'DoubleTensor'}``) and some accelerators (MPS) lack.
-        """
+        """Reduce ``tensor`` across ranks; a mean of an integer tensor keeps its fraction (:func:`mean_of_integers
+        <lightning_ddp_amp.launch.process_group.mean_of_integers>`: ``exact_eval``'s uneven shards need it)."""
         ...
 
     @property

@@ -21,8 +21,10 @@ import torch
 from lightning_fabric.plugins import ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.launch import selflaunch
@@ -111,6 +113,11 @@ class TrainerFlags:
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``.
         """
+        ...
+
+    def route_sampler_injection(self, trainer: Any) -> None:
+        """Keep Lightning's own sampler injection for predictions only: envddp shards the other DataLoaders itself
+        (``EnvDDPStrategy.process_dataloader``), as ``use_distributed_sampler`` says."""
         ...
 
     def start_missing_ranks(self, accelerator: Accelerator | None, max_restarts: int) -> None:
