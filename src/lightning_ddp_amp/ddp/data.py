@@ -35,6 +35,21 @@ the same global batches at every world size, one process reads from the sampler 
 a job moved between 1 and W processes, or resumed on another number, trains the same order in every epoch. A fit that continues a mid-epoch position in another data set, seed or order, or with
 ``split_batches`` another global batch, or without the position a DataLoader needs, stops before its first batch
 with a ``CheckpointError``; a checkpoint saved at the end of an epoch resumes under any layout.
+
+The words, one type each:
+
+* the *resume point* (:class:`~lightning_ddp_amp.ddp.resume.ResumePoint`): the checkpoint a fit continues from, as a
+  whole: its file, whether it was saved mid-epoch, how many positions it holds, how many ranks saved it. It words
+  the errors;
+* a *position* (:class:`LoaderPosition`): one training DataLoader's place in its epoch, which it saves in every
+  checkpoint (epoch, batches, samples, order, layout) and continues from on resume;
+* a *layout* (:class:`DataLayout`): what decides which samples the n-th batch holds on each rank; a position
+  continues only in its own, except (counted in samples) for the number of ranks and, without ``split_batches``,
+  the global batch;
+* a *resumed epoch* (:class:`ResumedEpoch`): what a restored position continues: the samples of its order already
+  trained, and where this run picks the epoch up;
+* an *order* (``{"kind": ...}``, :func:`epoch_order`), and the samplers that note it and continue an epoch
+  (:class:`ResumableSampler`).
 """
 
 from __future__ import annotations
@@ -119,10 +134,10 @@ def shard_dataloader(
         if not (split_batches and isinstance(source, (RandomSampler, SequentialSampler))):
             if progress is None:
                 return dataloader
-            keeper = _keep_order(source)
-            if keeper is not None or resuming is None or not resuming.mid_epoch:
+            resumable = make_resumable(source)
+            if resumable is not None or resuming is None or not resuming.mid_epoch:
                 layout = DataLayout.of(dataloader, source, num_replicas=1, seed=seed, split_batches=split_batches)
-                _Position(dataloader, layout, progress, keeper, resuming).attach()
+                LoaderPosition(dataloader, layout, progress, resumable, resuming).attach()
                 return dataloader
     unrepeated = exact_eval and stage != RunningStage.TRAINING
     if unrepeated:
@@ -136,9 +151,9 @@ def shard_dataloader(
     if sampler is None and batch_size is None:
         return dataloader
     rebuilt = _lightning.rebuild_dataloader(dataloader, sampler or dataloader.sampler, batch_size=batch_size)
-    if isinstance(sampler, _ResumesMidEpoch) and progress is not None:
+    if isinstance(sampler, ResumableSampler) and progress is not None:
         layout = DataLayout.of(rebuilt, source, num_replicas=num_replicas, seed=seed, split_batches=split_batches)
-        _Position(rebuilt, layout, progress, sampler, resuming).attach()
+        LoaderPosition(rebuilt, layout, progress, sampler, resuming).attach()
     return rebuilt
 
 
@@ -149,7 +164,7 @@ def warn_unshuffled_training_shards(train_dataloader: object) -> None:
         train_dataloader: ``trainer.train_dataloader`` once the fit loop has set it up: a DataLoader, or lists,
             tuples and dicts of them.
     """
-    loaders = list(_named_dataloaders(train_dataloader, ""))
+    loaders = list(named_dataloaders(train_dataloader))
     for key, loader in loaders:
         sampler = _user_sampler(loader)
         if not isinstance(sampler, ResumableDistributedSampler) or sampler.shuffle:
@@ -164,25 +179,85 @@ def warn_unshuffled_training_shards(train_dataloader: object) -> None:
         )
 
 
-def _named_dataloaders(loaders: object, key: str) -> Iterator[tuple[str, DataLoader[Any]]]:
-    """Each DataLoader in ``loaders`` with where it sits, e.g. ``["images"]`` or ``[1]``."""
-    if isinstance(loaders, DataLoader):
-        yield key, loaders
-    elif isinstance(loaders, dict):
-        for name, inner in loaders.items():
-            yield from _named_dataloaders(inner, f"{key}[{name!r}]")
-    elif isinstance(loaders, (list, tuple)):
-        for index, inner in enumerate(loaders):
-            yield from _named_dataloaders(inner, f"{key}[{index}]")
+def _distributed_sampler(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any], unrepeated: bool, **kwargs: Any
+) -> Sampler[Any]:
+    if isinstance(source, (RandomSampler, SequentialSampler)):
+        shuffle = isinstance(source, RandomSampler)
+        sampler_cls = _lightning.UnrepeatedDistributedSampler if unrepeated else ResumableDistributedSampler
+        return sampler_cls(dataloader.dataset, shuffle=shuffle, **kwargs)
+    wrapper_cls = _lightning.UnrepeatedDistributedSamplerWrapper if unrepeated else ResumableDistributedSamplerWrapper
+    return wrapper_cls(source, shuffle=False, **kwargs)
 
 
-@dataclass(frozen=True)
-class _Resume:
-    """Where a resumed epoch stands: ``samples`` of its ``order`` (see :func:`epoch_order`) are trained."""
+def _resumable_of_its_own(loader: DataLoader[Any]) -> bool:
+    """Whether the user's DataLoader saves and restores its own position (torchdata's ``StatefulDataLoader``)."""
+    own = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    return own and position_of(loader) is None
 
-    epoch: int
-    samples: int
-    order: Mapping[str, Any]
+
+def _shardable(source: Sampler[Any] | Iterable[Any] | None) -> TypeGuard[Sampler[Any] | Iterable[Any]]:
+    """Whether the strategy shards a DataLoader whose order ``source`` decides (None: an IterableDataset)."""
+    return source is not None and not isinstance(source, DistributedSampler)
+
+
+def _check_exact_eval(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, num_replicas: int
+) -> None:
+    if source is None:
+        raise StrategyConfigurationError(
+            "exact_eval",
+            True,
+            "an evaluation DataLoader iterates an IterableDataset, which the strategy cannot shard",
+            "shard the IterableDataset by rank yourself and drop exact_eval, or evaluate a map-style dataset",
+        )
+    if isinstance(source, DistributedSampler):
+        raise StrategyConfigurationError(
+            "exact_eval",
+            True,
+            "an evaluation DataLoader already has a DistributedSampler, which pads the shards with duplicates",
+            "drop the DistributedSampler from the evaluation DataLoader: the strategy shards it",
+        )
+    size = len(dataloader.dataset)  # type: ignore[arg-type]
+    if size < num_replicas:
+        raise StrategyConfigurationError(
+            "exact_eval",
+            True,
+            f"an evaluation set of {size} sample(s) leaves some of the WORLD_SIZE={num_replicas} ranks without data",
+            "evaluate at least one sample per rank, or drop exact_eval",
+        )
+
+
+def _user_sampler(dataloader: DataLoader[Any]) -> Sampler[Any] | Iterable[Any]:
+    """The sampler that decides the order: a custom batch sampler's own sampler, else the DataLoader's."""
+    batch_sampler = dataloader.batch_sampler
+    inner: Sampler[Any] | None = getattr(batch_sampler, "sampler", None)
+    return inner if inner is not None else dataloader.sampler
+
+
+def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int, resuming: ResumePoint | None) -> int:
+    global_batch = dataloader.batch_size
+    if global_batch is None:
+        raise StrategyConfigurationError(
+            "split_batches",
+            True,
+            f"the DataLoader has a custom batch_sampler ({type(dataloader.batch_sampler).__name__}), so there is"
+            " no global batch size to split",
+            "pass DataLoader(batch_size=<global batch>), or use EnvDDPStrategy(split_batches=False) and size the"
+            " batch sampler per rank",
+        )
+    if global_batch % num_replicas:
+        problem = f"DataLoader(batch_size={global_batch}) does not divide evenly across WORLD_SIZE={num_replicas} ranks"
+        fix = f"use a batch_size that is a multiple of {num_replicas}, or EnvDDPStrategy(split_batches=False)"
+        if resuming is not None and resuming.mid_epoch:
+            ranks = [str(n) for n in range(1, global_batch + 1) if global_batch % n == 0]
+            problem += f", and {resuming.path} continues an epoch whose steps each trained {global_batch} samples"
+            fix = (
+                f"launch {', '.join(ranks)} rank(s) to continue it with the same global batches; or {fix} (the"
+                " global batch then changes)"
+            )
+        raise StrategyConfigurationError("split_batches", True, problem, fix)
+    return global_batch // num_replicas
 
 
 def epoch_order(order: Mapping[str, Any], length: int, epoch: int) -> list[int]:
@@ -212,100 +287,122 @@ def rest_of_epoch(order: list[int], trained: int, num_replicas: int) -> list[int
     return rest
 
 
-class _ResumesMidEpoch:
-    """For training samplers of several ranks: the first pass over a resumed epoch yields only what it had left.
+@dataclass(frozen=True)
+class ResumedEpoch:
+    """The epoch a restored position continues: ``samples`` of its ``order`` (see :func:`epoch_order`) were trained.
 
-    It also notes the order of each pass (:attr:`order_of_pass`), which checkpoints record.
+    This run picks it up at Lightning's batch ``start`` (the saving run's count until
+    :func:`align_resumed_epoch` moves it), with ``batches`` of the DataLoader left.
     """
 
     epoch: int
-    num_replicas: int
-    rank: int
-    dataset: Any
-    set_epoch: Callable[[int], None]
-    _resume: _Resume | None = None
-    #: The order of the pass being iterated (see :func:`epoch_order`).
-    order_of_pass: Mapping[str, Any] | None = None
-
-    def resume_at(self, resume: _Resume) -> None:
-        self._resume = resume
-
-    def own_order(self) -> dict[str, Any]:
-        """The order of a pass that continues nothing."""
-        raise NotImplementedError
-
-    def order_length(self) -> int:
-        return len(self.dataset)
-
-    def __iter__(self) -> Iterator[Any]:
-        resume = self._resume
-        if resume is None or resume.epoch != self.epoch:
-            self.order_of_pass = self.own_order()
-            return super().__iter__()  # type: ignore[misc,no-any-return]
-        self._resume = None
-        self.order_of_pass = resume.order
-        order = epoch_order(resume.order, self.order_length(), resume.epoch)
-        return self._at(rest_of_epoch(order, resume.samples, self.num_replicas)[self.rank :: self.num_replicas])
-
-    def _at(self, positions: list[int]) -> Iterator[Any]:
-        return iter(positions)
+    samples: int
+    order: Mapping[str, Any]
+    start: int
+    batches: int
 
 
-class ResumableDistributedSampler(_ResumesMidEpoch, DistributedSampler[Any]):
-    """``DistributedSampler`` that can resume mid-epoch, on any number of ranks."""
+class ResumableSampler:
+    """A training sampler that notes the order of each pass, which checkpoints record, and whose first pass over a
+    resumed epoch yields only this rank's share of what that epoch had left.
 
-    def own_order(self) -> dict[str, Any]:
-        return {"kind": "permutation", "seed": self.seed} if self.shuffle else {"kind": "sequential"}
+    Each subclass names the sampler it extends first, then this class, which only adds what that sampler lacks (a
+    one-process sampler's class is swapped in place, :func:`make_resumable`, and CPython allows the swap only when
+    the new class's first base is the old class). A subclass says what order a pass of its own takes
+    (:meth:`own_order`) and iterates through :meth:`_pass` (``RandomSampler``, which notes its order as it draws,
+    through :meth:`_rest_of_resumed_epoch`).
+    """
 
-
-class ResumableDistributedSamplerWrapper(_ResumesMidEpoch, DistributedSamplerWrapper):
-    """Lightning's ``DistributedSamplerWrapper`` (shards a user's sampler) that can resume mid-epoch."""
-
-    def own_order(self) -> dict[str, Any]:
-        return {"kind": "sampler"}
-
-    def _at(self, positions: list[int]) -> Iterator[Any]:
-        self.dataset.reset()  # the user's sampler's order of this pass, as the wrapper reads it
-        return (self.dataset[position] for position in positions)
-
-
-class _KeepsOrder:
-    """For a one-process training DataLoader's own sampler: yields what it always did, notes the order of each pass,
-    and can continue an epoch (set on the instance, :func:`_keep_order`)."""
-
-    data_source: Any
+    #: One process, unless the sampler (a ``DistributedSampler``) has its own.
+    num_replicas: int = 1
+    rank: int = 0
     epoch: int = 0
-    _resume: _Resume | None = None
+    #: The order of the pass being iterated (see :func:`epoch_order`); None before the first pass.
     order_of_pass: Mapping[str, Any] | None = None
+    _resumed: ResumedEpoch | None = None
+    #: The data set: a ``DistributedSampler``'s (the sharding wrapper's: its sampler, as a data set), a
+    #: ``RandomSampler``'s or ``SequentialSampler``'s.
+    dataset: Any
+    data_source: Any
 
     def set_epoch(self, epoch: int) -> None:
         """Lightning sets the epoch of a sampler that has this method; the order itself does not depend on it."""
         self.epoch = epoch
 
-    def resume_at(self, resume: _Resume) -> None:
-        self._resume = resume
+    def resume_at(self, resumed: ResumedEpoch) -> None:
+        """Have the next pass over ``resumed.epoch`` yield only what that epoch had left."""
+        self._resumed = resumed
+
+    def own_order(self) -> dict[str, Any]:
+        """The order of a pass that continues nothing, as it is known before the pass starts."""
+        raise NotImplementedError
 
     def order_length(self) -> int:
-        return len(self.data_source)
+        """How many samples an epoch's order has: the data set's (the sharding wrapper's: its sampler's)."""
+        return len(self.dataset if isinstance(self, DistributedSampler) else self.data_source)
 
-    def _continued(self) -> list[int] | None:
-        """The rest of a resumed epoch, once; None for a pass that continues nothing."""
-        resume = self._resume
-        if resume is None or resume.epoch != self.epoch:
+    def _pass(self, own_pass: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        """A pass: the rest of a resumed epoch, once; else ``own_pass()``, in :meth:`own_order`."""
+        rest = self._rest_of_resumed_epoch()
+        if rest is not None:
+            return self._at(rest)
+        self.order_of_pass = self.own_order()
+        return own_pass()
+
+    def _rest_of_resumed_epoch(self) -> list[int] | None:
+        """This rank's positions of what a resumed epoch has left, once, noting its order; None for a pass that
+        continues nothing."""
+        resumed = self._resumed
+        if resumed is None or resumed.epoch != self.epoch:
             return None
-        self._resume = None
-        self.order_of_pass = resume.order
-        return rest_of_epoch(epoch_order(resume.order, self.order_length(), resume.epoch), resume.samples, 1)
+        self._resumed = None
+        self.order_of_pass = resumed.order
+        order = epoch_order(resumed.order, self.order_length(), resumed.epoch)
+        return rest_of_epoch(order, resumed.samples, self.num_replicas)[self.rank :: self.num_replicas]
+
+    def _at(self, positions: list[int]) -> Iterator[Any]:
+        """The samples at ``positions`` of the epoch's order."""
+        return iter(positions)
 
 
-class _OrderedRandomSampler(RandomSampler, _KeepsOrder):
-    """``RandomSampler`` that notes the generator state each pass starts from."""
+class ResumableDistributedSampler(DistributedSampler[Any], ResumableSampler):
+    """``DistributedSampler`` that can resume mid-epoch, on any number of ranks."""
+
+    def own_order(self) -> dict[str, Any]:
+        return {"kind": "permutation", "seed": self.seed} if self.shuffle else {"kind": "sequential"}
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._pass(super().__iter__)
+
+
+class ResumableDistributedSamplerWrapper(DistributedSamplerWrapper, ResumableSampler):
+    """Lightning's ``DistributedSamplerWrapper`` (shards a user's sampler) that can resume mid-epoch."""
+
+    def own_order(self) -> dict[str, Any]:
+        return {"kind": "sampler"}
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._pass(super().__iter__)
+
+    def _at(self, positions: list[int]) -> Iterator[Any]:
+        sampler: Any = self.dataset  # Lightning's data set of the user's sampler's order
+        sampler.reset()  # the user's sampler's order of this pass, as the wrapper reads it
+        return (sampler[position] for position in positions)
+
+
+class ResumableRandomSampler(RandomSampler, ResumableSampler):
+    """A one-process ``RandomSampler`` that notes the generator state each pass starts from."""
+
+    def own_order(self) -> dict[str, Any]:
+        # A pass notes its generator when it draws, at its first sample. A position saved before the first pass had
+        # trained none of its epoch, which then goes in the data set's order.
+        return {"kind": "sequential"}
 
     def __iter__(self) -> Iterator[int]:
         # A generator function, as RandomSampler's own: its draw from the global RNG happens at the first sample.
-        continued = self._continued()
-        if continued is not None:
-            yield from continued
+        rest = self._rest_of_resumed_epoch()
+        if rest is not None:
+            yield from rest
             return
         own = generator = self.generator
         if generator is None:  # RandomSampler's own draw of a seed
@@ -319,39 +416,29 @@ class _OrderedRandomSampler(RandomSampler, _KeepsOrder):
             self.generator = own
 
 
-class _OrderedSequentialSampler(SequentialSampler, _KeepsOrder):
-    """``SequentialSampler`` that can continue an epoch."""
+class ResumableSequentialSampler(SequentialSampler, ResumableSampler):
+    """A one-process ``SequentialSampler`` that can continue an epoch."""
+
+    def own_order(self) -> dict[str, Any]:
+        return {"kind": "sequential"}
 
     def __iter__(self) -> Iterator[int]:
-        continued = self._continued()
-        self.order_of_pass = {"kind": "sequential"}
-        return iter(continued) if continued is not None else super().__iter__()
+        return self._pass(super().__iter__)
 
 
-def _keep_order(source: Sampler[Any] | Iterable[Any]) -> _KeepsOrder | None:
-    """Have a one-process training DataLoader's ``RandomSampler`` or ``SequentialSampler`` note its order.
+def make_resumable(source: Sampler[Any] | Iterable[Any]) -> ResumableSampler | None:
+    """Have a one-process training DataLoader's ``RandomSampler`` or ``SequentialSampler`` note its order, and
+    continue an epoch.
 
     The instance's class becomes a subclass that yields the same samples: the DataLoader, which does not allow its
     sampler to be replaced, stays the user's. None for any other sampler, and for a ``RandomSampler`` that draws
-    with replacement or another number of samples than the data set has. (The subclasses name the sampler's class
-    first: CPython allows the swap only when the new class's first base is the old class.)
+    with replacement or another number of samples than the data set has.
     """
     if type(source) is RandomSampler and not source.replacement and source.num_samples == len(source.data_source):
-        source.__class__ = _OrderedRandomSampler
+        source.__class__ = ResumableRandomSampler
     elif type(source) is SequentialSampler:
-        source.__class__ = _OrderedSequentialSampler
-    return source if isinstance(source, _KeepsOrder) else None
-
-
-def _distributed_sampler(
-    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any], unrepeated: bool, **kwargs: Any
-) -> Sampler[Any]:
-    if isinstance(source, (RandomSampler, SequentialSampler)):
-        shuffle = isinstance(source, RandomSampler)
-        sampler_cls = _lightning.UnrepeatedDistributedSampler if unrepeated else ResumableDistributedSampler
-        return sampler_cls(dataloader.dataset, shuffle=shuffle, **kwargs)
-    wrapper_cls = _lightning.UnrepeatedDistributedSamplerWrapper if unrepeated else ResumableDistributedSamplerWrapper
-    return wrapper_cls(source, shuffle=False, **kwargs)
+        source.__class__ = ResumableSequentialSampler
+    return source if isinstance(source, ResumableSampler) else None
 
 
 @dataclass(frozen=True)
@@ -396,9 +483,9 @@ class DataLayout:
             length = None
         order = {
             RandomSampler: True,
-            _OrderedRandomSampler: True,
+            ResumableRandomSampler: True,
             SequentialSampler: False,
-            _OrderedSequentialSampler: False,
+            ResumableSequentialSampler: False,
         }.get(type(source))
         return cls(
             world_size=num_replicas,
@@ -422,18 +509,7 @@ def _named(field: str) -> str:
     return field if field == "split_batches" else field.replace("_", " ")
 
 
-@dataclass(frozen=True)
-class _Anchor:
-    """Where a resumed epoch started in this run: at Lightning's batch ``start`` (moved by
-    :func:`align_resumed_epoch`), with ``samples`` of its order trained and ``batches`` of this DataLoader left."""
-
-    epoch: int
-    start: int
-    samples: int
-    batches: int
-
-
-class _Position:
+class LoaderPosition:
     """A training DataLoader's place in its epoch, in its layout: Lightning saves ``state_dict()`` in checkpoints
     and hands it back to ``load_state_dict`` before the first batch of a resumed fit.
 
@@ -452,7 +528,7 @@ class _Position:
         loader: DataLoader[Any],
         layout: DataLayout,
         progress: Callable[[], tuple[int, int, int]],
-        sampler: _ResumesMidEpoch | _KeepsOrder | None,
+        sampler: ResumableSampler | None,
         resuming: ResumePoint | None,
     ) -> None:
         self.loader = loader
@@ -463,7 +539,7 @@ class _Position:
         #: Whether a checkpoint handed this DataLoader a position.
         self.restored = False
         #: The epoch this fit resumed in the middle of, once restored; moved by :func:`align_resumed_epoch`.
-        self.anchor: _Anchor | None = None
+        self.resumed: ResumedEpoch | None = None
 
     def attach(self) -> None:
         _lightning.make_stateful(self.loader, self.state_dict, self.load_state_dict)
@@ -490,13 +566,13 @@ class _Position:
         modulo its length in.
         """
         passes = max(len(self.loader), 1)
-        anchor = self.anchor
-        if anchor is None or anchor.epoch != epoch:
+        resumed = self.resumed
+        if resumed is None or resumed.epoch != epoch:
             return batches % passes * global_batch
-        since = batches - anchor.start
-        if since < anchor.batches:  # still in the resumed pass
-            return anchor.samples + since * global_batch
-        return (since - anchor.batches) % passes * global_batch
+        since = batches - resumed.start
+        if since < resumed.batches:  # still in the resumed pass
+            return resumed.samples + since * global_batch
+        return (since - resumed.batches) % passes * global_batch
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: leave out the samples its epoch already trained.
@@ -539,12 +615,12 @@ class _Position:
                 "give the batch sampler a fixed batch_size attribute",
             )
         # A sampler saved before its first pass noted no order: its own.
-        own = self._sampler.own_order() if isinstance(self._sampler, _ResumesMidEpoch) else {"kind": "sequential"}
-        samples, order = int(state["samples"]), state.get("order") or own
+        samples, order = int(state["samples"]), state.get("order") or self._sampler.own_order()
         self._warn_new_global_batch(saved)
         self._sampler.set_epoch(epoch)
-        self._sampler.resume_at(_Resume(epoch, samples, order))
-        self.anchor = _Anchor(epoch, batches, samples, self._batches_left(samples))
+        resumed = ResumedEpoch(epoch, samples, order, start=batches, batches=self._batches_left(samples))
+        self._sampler.resume_at(resumed)
+        self.resumed = resumed
 
     def _batches_left(self, samples: int) -> int:
         """How many batches this DataLoader yields on each rank for the rest of a pass of which ``samples`` trained."""
@@ -582,20 +658,23 @@ class _Position:
         )
 
 
-def _position_of(loader: object) -> _Position | None:
+def position_of(loader: object) -> LoaderPosition | None:
+    """The position envddp gave ``loader``; None for a DataLoader it did not position."""
     owner = getattr(getattr(loader, "state_dict", None), "__self__", None)
-    return owner if isinstance(owner, _Position) else None
+    return owner if isinstance(owner, LoaderPosition) else None
 
 
-def _resumable_of_its_own(loader: DataLoader[Any]) -> bool:
-    """Whether the user's DataLoader saves and restores its own position (torchdata's ``StatefulDataLoader``)."""
-    own = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
-    return own and _position_of(loader) is None
-
-
-def _shardable(source: Sampler[Any] | Iterable[Any] | None) -> TypeGuard[Sampler[Any] | Iterable[Any]]:
-    """Whether the strategy shards a DataLoader whose order ``source`` decides (None: an IterableDataset)."""
-    return source is not None and not isinstance(source, DistributedSampler)
+def named_dataloaders(loaders: object, key: str = "") -> Iterator[tuple[str, DataLoader[Any]]]:
+    """Each DataLoader in ``loaders`` (a DataLoader, or lists, tuples and dicts of them) with where it sits, e.g.
+    ``["images"]`` or ``[1]``."""
+    if isinstance(loaders, DataLoader):
+        yield key, loaders
+    elif isinstance(loaders, dict):
+        for name, inner in loaders.items():
+            yield from named_dataloaders(inner, f"{key}[{name!r}]")
+    elif isinstance(loaders, (list, tuple)):
+        for index, inner in enumerate(loaders):
+            yield from named_dataloaders(inner, f"{key}[{index}]")
 
 
 def _warn_new_pass(resuming: ResumePoint) -> None:
@@ -625,19 +704,19 @@ def align_resumed_epoch(trainer: Any) -> int | None:
     """
     positions = [
         position
-        for _, loader in _named_dataloaders(trainer.train_dataloader, "")
-        if (position := _position_of(loader)) is not None and position.anchor is not None
+        for _, loader in named_dataloaders(trainer.train_dataloader)
+        if (position := position_of(loader)) is not None and position.resumed is not None
     ]
     if not positions:
         return None
     trained, total = _lightning.epoch_progress(trainer)
-    left = max(position.anchor.batches for position in positions if position.anchor is not None)
+    left = max(position.resumed.batches for position in positions if position.resumed is not None)
     start = max(0, total - left) if total != float("inf") else trained
     if start != trained:
         _lightning.move_epoch_batches(trainer, start - trained)
     for position in positions:
-        assert position.anchor is not None
-        position.anchor = dataclasses.replace(position.anchor, start=start)
+        assert position.resumed is not None
+        position.resumed = dataclasses.replace(position.resumed, start=start)
     return int(start)
 
 
@@ -649,8 +728,9 @@ def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | No
     checkpoint was written by a run that did not record its position (another strategy,
     ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position over. A DataLoader envddp
     does not position (an IterableDataset, a sampler of the script's own, ``use_distributed_sampler=False``) starts
-    its epoch over too, which names other samples on another number of ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
-    DataLoader it cannot resume, and Lightning or envddp warns.
+    its epoch over too, which names other samples on another number of ranks. With the world size the checkpoint was
+    saved at, or in one process, that is Lightning's behaviour for a DataLoader it cannot resume, and Lightning or
+    envddp warns.
 
     Args:
         train_dataloader: ``trainer.train_dataloader`` once the fit loop has set it up.
@@ -663,8 +743,8 @@ def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | No
     """
     if resuming is None or not resuming.mid_epoch:
         return
-    for key, loader in _named_dataloaders(train_dataloader, ""):
-        position = _position_of(loader)
+    for key, loader in named_dataloaders(train_dataloader):
+        position = position_of(loader)
         if position is not None and position.restored:
             continue
         if resuming.world_size is not None and resuming.world_size != world_size:
@@ -727,62 +807,3 @@ def explain_loader_state_mismatch(exception: BaseException, resuming: ResumePoin
         else f"The checkpoint {problem}. Fix: {fix}, or from a checkpoint saved at the end of an epoch"
     )
     exception.args = (f"{explained}. Lightning said: {exception}", *exception.args[1:])
-
-
-def _check_exact_eval(
-    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, num_replicas: int
-) -> None:
-    if source is None:
-        raise StrategyConfigurationError(
-            "exact_eval",
-            True,
-            "an evaluation DataLoader iterates an IterableDataset, which the strategy cannot shard",
-            "shard the IterableDataset by rank yourself and drop exact_eval, or evaluate a map-style dataset",
-        )
-    if isinstance(source, DistributedSampler):
-        raise StrategyConfigurationError(
-            "exact_eval",
-            True,
-            "an evaluation DataLoader already has a DistributedSampler, which pads the shards with duplicates",
-            "drop the DistributedSampler from the evaluation DataLoader: the strategy shards it",
-        )
-    size = len(dataloader.dataset)  # type: ignore[arg-type]
-    if size < num_replicas:
-        raise StrategyConfigurationError(
-            "exact_eval",
-            True,
-            f"an evaluation set of {size} sample(s) leaves some of the WORLD_SIZE={num_replicas} ranks without data",
-            "evaluate at least one sample per rank, or drop exact_eval",
-        )
-
-
-def _user_sampler(dataloader: DataLoader[Any]) -> Sampler[Any] | Iterable[Any]:
-    """The sampler that decides the order: a custom batch sampler's own sampler, else the DataLoader's."""
-    batch_sampler = dataloader.batch_sampler
-    inner: Sampler[Any] | None = getattr(batch_sampler, "sampler", None)
-    return inner if inner is not None else dataloader.sampler
-
-
-def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int, resuming: ResumePoint | None) -> int:
-    global_batch = dataloader.batch_size
-    if global_batch is None:
-        raise StrategyConfigurationError(
-            "split_batches",
-            True,
-            f"the DataLoader has a custom batch_sampler ({type(dataloader.batch_sampler).__name__}), so there is"
-            " no global batch size to split",
-            "pass DataLoader(batch_size=<global batch>), or use EnvDDPStrategy(split_batches=False) and size the"
-            " batch sampler per rank",
-        )
-    if global_batch % num_replicas:
-        problem = f"DataLoader(batch_size={global_batch}) does not divide evenly across WORLD_SIZE={num_replicas} ranks"
-        fix = f"use a batch_size that is a multiple of {num_replicas}, or EnvDDPStrategy(split_batches=False)"
-        if resuming is not None and resuming.mid_epoch:
-            ranks = [str(n) for n in range(1, global_batch + 1) if global_batch % n == 0]
-            problem += f", and {resuming.path} continues an epoch whose steps each trained {global_batch} samples"
-            fix = (
-                f"launch {', '.join(ranks)} rank(s) to continue it with the same global batches; or {fix} (the"
-                " global batch then changes)"
-            )
-        raise StrategyConfigurationError("split_batches", True, problem, fix)
-    return global_batch // num_replicas

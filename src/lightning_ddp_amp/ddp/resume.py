@@ -113,7 +113,8 @@ def record_world_size(checkpoint: dict[str, Any], world_size: int) -> None:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """The checkpoint a fit continues from, as far as the position of its training data goes.
+    """The resume point: the checkpoint a fit continues from, as a whole, as far as the position of its training data
+    goes (each training DataLoader's own place in it is a :class:`~lightning_ddp_amp.ddp.data.LoaderPosition`).
 
     Args:
         path: The checkpoint file.

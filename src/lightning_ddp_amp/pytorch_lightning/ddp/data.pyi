@@ -36,6 +36,21 @@ the same global batches at every world size, one process reads from the sampler 
 a job moved between 1 and W processes, or resumed on another number, trains the same order in every epoch. A fit that continues a mid-epoch position in another data set, seed or order, or with
 ``split_batches`` another global batch, or without the position a DataLoader needs, stops before its first batch
 with a ``CheckpointError``; a checkpoint saved at the end of an epoch resumes under any layout.
+
+The words, one type each:
+
+* the *resume point* (:class:`~lightning_ddp_amp.pytorch_lightning.ddp.resume.ResumePoint`): the checkpoint a fit continues from, as a
+  whole: its file, whether it was saved mid-epoch, how many positions it holds, how many ranks saved it. It words
+  the errors;
+* a *position* (:class:`LoaderPosition`): one training DataLoader's place in its epoch, which it saves in every
+  checkpoint (epoch, batches, samples, order, layout) and continues from on resume;
+* a *layout* (:class:`DataLayout`): what decides which samples the n-th batch holds on each rank; a position
+  continues only in its own, except (counted in samples) for the number of ranks and, without ``split_batches``,
+  the global batch;
+* a *resumed epoch* (:class:`ResumedEpoch`): what a restored position continues: the samples of its order already
+  trained, and where this run picks the epoch up;
+* an *order* (``{"kind": ...}``, :func:`epoch_order`), and the samplers that note it and continue an epoch
+  (:class:`ResumableSampler`).
 """
 
 from __future__ import annotations
@@ -117,18 +132,35 @@ def warn_unshuffled_training_shards(train_dataloader: object) -> None:
     ...
 
 
-def _named_dataloaders(loaders: object, key: str) -> Iterator[tuple[str, DataLoader[Any]]]:
-    """Each DataLoader in ``loaders`` with where it sits, e.g. ``["images"]`` or ``[1]``."""
+def _distributed_sampler(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any], unrepeated: bool, **kwargs: Any
+) -> Sampler[Any]:
     ...
 
 
-@dataclass(frozen=True)
-class _Resume:
-    """Where a resumed epoch stands: ``samples`` of its ``order`` (see :func:`epoch_order`) are trained."""
+def _resumable_of_its_own(loader: DataLoader[Any]) -> bool:
+    """Whether the user's DataLoader saves and restores its own position (torchdata's ``StatefulDataLoader``)."""
+    ...
 
-    epoch: int
-    samples: int
-    order: Mapping[str, Any]
+
+def _shardable(source: Sampler[Any] | Iterable[Any] | None) -> TypeGuard[Sampler[Any] | Iterable[Any]]:
+    """Whether the strategy shards a DataLoader whose order ``source`` decides (None: an IterableDataset)."""
+    ...
+
+
+def _check_exact_eval(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, num_replicas: int
+) -> None:
+    ...
+
+
+def _user_sampler(dataloader: DataLoader[Any]) -> Sampler[Any] | Iterable[Any]:
+    """The sampler that decides the order: a custom batch sampler's own sampler, else the DataLoader's."""
+    ...
+
+
+def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int, resuming: ResumePoint | None) -> int:
+    ...
 
 
 def epoch_order(order: Mapping[str, Any], length: int, epoch: int) -> list[int]:
@@ -148,29 +180,88 @@ def rest_of_epoch(order: list[int], trained: int, num_replicas: int) -> list[int
     ...
 
 
-class _ResumesMidEpoch:
-    """For training samplers of several ranks: the first pass over a resumed epoch yields only what it had left.
+@dataclass(frozen=True)
+class ResumedEpoch:
+    """The epoch a restored position continues: ``samples`` of its ``order`` (see :func:`epoch_order`) were trained.
 
-    It also notes the order of each pass (:attr:`order_of_pass`), which checkpoints record.
+    This run picks it up at Lightning's batch ``start`` (the saving run's count until
+    :func:`align_resumed_epoch` moves it), with ``batches`` of the DataLoader left.
     """
 
     epoch: int
-    num_replicas: int
-    rank: int
-    dataset: Any
-    set_epoch: Callable[[int], None]
-    _resume: _Resume | None = None
-    #: The order of the pass being iterated (see :func:`epoch_order`).
-    order_of_pass: Mapping[str, Any] | None = None
+    samples: int
+    order: Mapping[str, Any]
+    start: int
+    batches: int
 
-    def resume_at(self, resume: _Resume) -> None:
+
+class ResumableSampler:
+    """A training sampler that notes the order of each pass, which checkpoints record, and whose first pass over a
+    resumed epoch yields only this rank's share of what that epoch had left.
+
+    Each subclass names the sampler it extends first, then this class, which only adds what that sampler lacks (a
+    one-process sampler's class is swapped in place, :func:`make_resumable`, and CPython allows the swap only when
+    the new class's first base is the old class). A subclass says what order a pass of its own takes
+    (:meth:`own_order`) and iterates through :meth:`_pass` (``RandomSampler``, which notes its order as it draws,
+    through :meth:`_rest_of_resumed_epoch`).
+    """
+
+    #: One process, unless the sampler (a ``DistributedSampler``) has its own.
+    num_replicas: int = 1
+    rank: int = 0
+    epoch: int = 0
+    #: The order of the pass being iterated (see :func:`epoch_order`); None before the first pass.
+    order_of_pass: Mapping[str, Any] | None = None
+    _resumed: ResumedEpoch | None = None
+    #: The data set: a ``DistributedSampler``'s (the sharding wrapper's: its sampler, as a data set), a
+    #: ``RandomSampler``'s or ``SequentialSampler``'s.
+    dataset: Any
+    data_source: Any
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning sets the epoch of a sampler that has this method; the order itself does not depend on it."""
+        ...
+
+    def resume_at(self, resumed: ResumedEpoch) -> None:
+        """Have the next pass over ``resumed.epoch`` yield only what that epoch had left."""
         ...
 
     def own_order(self) -> dict[str, Any]:
-        """The order of a pass that continues nothing."""
+        """The order of a pass that continues nothing, as it is known before the pass starts."""
         ...
 
     def order_length(self) -> int:
+        """How many samples an epoch's order has: the data set's (the sharding wrapper's: its sampler's)."""
+        ...
+
+    def _pass(self, own_pass: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        """A pass: the rest of a resumed epoch, once; else ``own_pass()``, in :meth:`own_order`."""
+        ...
+
+    def _rest_of_resumed_epoch(self) -> list[int] | None:
+        """This rank's positions of what a resumed epoch has left, once, noting its order; None for a pass that
+        continues nothing."""
+        ...
+
+    def _at(self, positions: list[int]) -> Iterator[Any]:
+        """The samples at ``positions`` of the epoch's order."""
+        ...
+
+
+class ResumableDistributedSampler(DistributedSampler[Any], ResumableSampler):
+    """``DistributedSampler`` that can resume mid-epoch, on any number of ranks."""
+
+    def own_order(self) -> dict[str, Any]:
+        ...
+
+    def __iter__(self) -> Iterator[Any]:
+        ...
+
+
+class ResumableDistributedSamplerWrapper(DistributedSamplerWrapper, ResumableSampler):
+    """Lightning's ``DistributedSamplerWrapper`` (shards a user's sampler) that can resume mid-epoch."""
+
+    def own_order(self) -> dict[str, Any]:
         ...
 
     def __iter__(self) -> Iterator[Any]:
@@ -180,76 +271,37 @@ class _ResumesMidEpoch:
         ...
 
 
-class ResumableDistributedSampler(_ResumesMidEpoch, DistributedSampler[Any]):
-    """``DistributedSampler`` that can resume mid-epoch, on any number of ranks."""
+class ResumableRandomSampler(RandomSampler, ResumableSampler):
+    """A one-process ``RandomSampler`` that notes the generator state each pass starts from."""
 
     def own_order(self) -> dict[str, Any]:
+        # A pass notes its generator when it draws, at its first sample. A position saved before the first pass had
+        # trained none of its epoch, which then goes in the data set's order.
         ...
-
-
-class ResumableDistributedSamplerWrapper(_ResumesMidEpoch, DistributedSamplerWrapper):
-    """Lightning's ``DistributedSamplerWrapper`` (shards a user's sampler) that can resume mid-epoch."""
-
-    def own_order(self) -> dict[str, Any]:
-        ...
-
-    def _at(self, positions: list[int]) -> Iterator[Any]:
-        ...
-
-
-class _KeepsOrder:
-    """For a one-process training DataLoader's own sampler: yields what it always did, notes the order of each pass,
-    and can continue an epoch (set on the instance, :func:`_keep_order`)."""
-
-    data_source: Any
-    epoch: int = 0
-    _resume: _Resume | None = None
-    order_of_pass: Mapping[str, Any] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning sets the epoch of a sampler that has this method; the order itself does not depend on it."""
-        ...
-
-    def resume_at(self, resume: _Resume) -> None:
-        ...
-
-    def order_length(self) -> int:
-        ...
-
-    def _continued(self) -> list[int] | None:
-        """The rest of a resumed epoch, once; None for a pass that continues nothing."""
-        ...
-
-
-class _OrderedRandomSampler(RandomSampler, _KeepsOrder):
-    """``RandomSampler`` that notes the generator state each pass starts from."""
 
     def __iter__(self) -> Iterator[int]:
         # A generator function, as RandomSampler's own: its draw from the global RNG happens at the first sample.
         ...
 
 
-class _OrderedSequentialSampler(SequentialSampler, _KeepsOrder):
-    """``SequentialSampler`` that can continue an epoch."""
+class ResumableSequentialSampler(SequentialSampler, ResumableSampler):
+    """A one-process ``SequentialSampler`` that can continue an epoch."""
+
+    def own_order(self) -> dict[str, Any]:
+        ...
 
     def __iter__(self) -> Iterator[int]:
         ...
 
 
-def _keep_order(source: Sampler[Any] | Iterable[Any]) -> _KeepsOrder | None:
-    """Have a one-process training DataLoader's ``RandomSampler`` or ``SequentialSampler`` note its order.
+def make_resumable(source: Sampler[Any] | Iterable[Any]) -> ResumableSampler | None:
+    """Have a one-process training DataLoader's ``RandomSampler`` or ``SequentialSampler`` note its order, and
+    continue an epoch.
 
     The instance's class becomes a subclass that yields the same samples: the DataLoader, which does not allow its
     sampler to be replaced, stays the user's. None for any other sampler, and for a ``RandomSampler`` that draws
-    with replacement or another number of samples than the data set has. (The subclasses name the sampler's class
-    first: CPython allows the swap only when the new class's first base is the old class.)
+    with replacement or another number of samples than the data set has.
     """
-    ...
-
-
-def _distributed_sampler(
-    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any], unrepeated: bool, **kwargs: Any
-) -> Sampler[Any]:
     ...
 
 
@@ -298,18 +350,7 @@ def _named(field: str) -> str:
     ...
 
 
-@dataclass(frozen=True)
-class _Anchor:
-    """Where a resumed epoch started in this run: at Lightning's batch ``start`` (moved by
-    :func:`align_resumed_epoch`), with ``samples`` of its order trained and ``batches`` of this DataLoader left."""
-
-    epoch: int
-    start: int
-    samples: int
-    batches: int
-
-
-class _Position:
+class LoaderPosition:
     """A training DataLoader's place in its epoch, in its layout: Lightning saves ``state_dict()`` in checkpoints
     and hands it back to ``load_state_dict`` before the first batch of a resumed fit.
 
@@ -328,7 +369,7 @@ class _Position:
         loader: DataLoader[Any],
         layout: DataLayout,
         progress: Callable[[], tuple[int, int, int]],
-        sampler: _ResumesMidEpoch | _KeepsOrder | None,
+        sampler: ResumableSampler | None,
         resuming: ResumePoint | None,
     ) -> None:
         ...
@@ -369,17 +410,14 @@ class _Position:
         ...
 
 
-def _position_of(loader: object) -> _Position | None:
+def position_of(loader: object) -> LoaderPosition | None:
+    """The position envddp gave ``loader``; None for a DataLoader it did not position."""
     ...
 
 
-def _resumable_of_its_own(loader: DataLoader[Any]) -> bool:
-    """Whether the user's DataLoader saves and restores its own position (torchdata's ``StatefulDataLoader``)."""
-    ...
-
-
-def _shardable(source: Sampler[Any] | Iterable[Any] | None) -> TypeGuard[Sampler[Any] | Iterable[Any]]:
-    """Whether the strategy shards a DataLoader whose order ``source`` decides (None: an IterableDataset)."""
+def named_dataloaders(loaders: object, key: str = "") -> Iterator[tuple[str, DataLoader[Any]]]:
+    """Each DataLoader in ``loaders`` (a DataLoader, or lists, tuples and dicts of them) with where it sits, e.g.
+    ``["images"]`` or ``[1]``."""
     ...
 
 
@@ -414,8 +452,9 @@ def check_resumed_positions(train_dataloader: object, resuming: ResumePoint | No
     checkpoint was written by a run that did not record its position (another strategy,
     ``Trainer(use_distributed_sampler=False)``), or Lightning did not hand the position over. A DataLoader envddp
     does not position (an IterableDataset, a sampler of the script's own, ``use_distributed_sampler=False``) starts
-    its epoch over too, which names other samples on another number of ranks. With the world size the checkpoint was saved at, or in one process, that is Lightning's behaviour for a
-    DataLoader it cannot resume, and Lightning or envddp warns.
+    its epoch over too, which names other samples on another number of ranks. With the world size the checkpoint was
+    saved at, or in one process, that is Lightning's behaviour for a DataLoader it cannot resume, and Lightning or
+    envddp warns.
 
     Args:
         train_dataloader: ``trainer.train_dataloader`` once the fit loop has set it up.
@@ -436,19 +475,4 @@ def explain_loader_state_mismatch(exception: BaseException, resuming: ResumePoin
         exception: What the fit raised.
         resuming: The checkpoint the fit continues from, named in the explanation.
     """
-    ...
-
-
-def _check_exact_eval(
-    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, num_replicas: int
-) -> None:
-    ...
-
-
-def _user_sampler(dataloader: DataLoader[Any]) -> Sampler[Any] | Iterable[Any]:
-    """The sampler that decides the order: a custom batch sampler's own sampler, else the DataLoader's."""
-    ...
-
-
-def _per_rank_batch_size(dataloader: DataLoader[Any], num_replicas: int, resuming: ResumePoint | None) -> int:
     ...
