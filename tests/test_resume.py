@@ -25,8 +25,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
 from lightning_ddp_amp._namespaces import namespaced_modules
-from lightning_ddp_amp.ddp.data import check_resumed_positions, position_of, shard_dataloader
+from lightning_ddp_amp.ddp.position import check_resumed_positions, position_of
 from lightning_ddp_amp.ddp.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
+from lightning_ddp_amp.ddp.sharding import shard_dataloader
 from lightning_ddp_amp.launch.preemption import PREEMPTION
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))

@@ -42,14 +42,8 @@ from typing_extensions import override
 
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.amp.precision import AmpPrecision, describe_crossing
-from lightning_ddp_amp.ddp.data import (
-    align_resumed_epoch,
-    check_resumed_positions,
-    explain_loader_state_mismatch,
-    shard_dataloader,
-    warn_unshuffled_training_shards,
-)
 from lightning_ddp_amp.ddp.ddp_options import DDPOptions, check_comm_hook_backend, resolve_comm_hook
+from lightning_ddp_amp.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
 from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -59,6 +53,7 @@ from lightning_ddp_amp.ddp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
+from lightning_ddp_amp.ddp.sharding import shard_dataloader, warn_unshuffled_training_shards
 from lightning_ddp_amp.ddp.trainer_flags import (
     TrainerFlags,
     check_layer_sync,
