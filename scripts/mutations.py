@@ -93,7 +93,7 @@ MUTATIONS = (
     Mutation(
         "layout-check-skipped",
         "a mid-epoch position saved with another data set, seed or order is continued instead of refused",
-        "ddp/data.py",
+        "ddp/position.py",
         "        if differences:\n",
         "        if False:\n",
         ("tests/test_resume.py::test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_value",),
@@ -101,7 +101,7 @@ MUTATIONS = (
     Mutation(
         "elastic-pad-from-rest",
         "the rest of a resumed epoch is padded with its own first samples, not the epoch's as DistributedSampler pads",
-        "ddp/data.py",
+        "ddp/samplers.py",
         "        rest += order[: num_replicas - len(rest) % num_replicas]\n",
         "        rest += rest[: num_replicas - len(rest) % num_replicas]\n",
         (
@@ -251,7 +251,7 @@ MUTATIONS = (
     Mutation(
         "resumed-epoch-not-set",
         "a run resumed from the end of an epoch reads its next epoch in the finished epoch's order",
-        "ddp/data.py",
+        "ddp/position.py",
         "            if self._sampler is not None:\n                self._sampler.set_epoch(epoch + 1)\n",
         "",
         ("tests/test_resume.py::test_an_end_of_epoch_position_resumes_in_any_layout",),
@@ -259,7 +259,7 @@ MUTATIONS = (
     Mutation(
         "split-batches-not-split",
         "split_batches gives every rank the whole global batch: each step trains world-size times the batch",
-        "ddp/data.py",
+        "ddp/sharding.py",
         "    return global_batch // num_replicas\n",
         "    return global_batch\n",
         ("tests/test_data.py::test_split_batches_divides_the_global_batch",),

@@ -32,8 +32,10 @@ DOCUMENTED = {
     # The no-op that stands in for Lightning's per-step SIGTERM broadcast (which waits for every rank).
     "_lightning.disable_sigterm_broadcast.<locals>.<lambda>",
     # Once per epoch, not per step: the sampler's order for the new epoch, and what a checkpoint records of it.
-    "data._ResumesMidEpoch.__iter__",
-    "data.ResumableDistributedSampler.own_order",
+    "samplers.ResumableDistributedSampler.__iter__",
+    "samplers.ResumableSampler._pass",
+    "samplers.ResumableSampler._rest_of_resumed_epoch",
+    "samplers.ResumableDistributedSampler.own_order",
 }
 #: With AmpPrecision, its Lightning hooks and the native backend's autocast / GradScaler calls.
 DOCUMENTED_AMP = DOCUMENTED | {
@@ -59,9 +61,9 @@ DOCUMENTED_AMP = DOCUMENTED | {
 SETUP_ONLY = {
     "environment.read_topology",
     "devices.select_devices",
-    "data.shard_dataloader",
-    "data.DataLayout.of",
-    "data._Position.attach",
+    "sharding.shard_dataloader",
+    "position.DataLayout.of",
+    "position.LoaderPosition.attach",
     "_lightning.rebuild_dataloader",
     "precision.AmpPrecision.amp_modules",
 }
@@ -77,7 +79,7 @@ def test_fp32_steps_do_only_the_documented_work(preloaded: Preloaded, tmp_path: 
     calls = per_step_calls(preloaded, tmp_path / "fp32")
     assert set(calls) <= DOCUMENTED, sorted(set(calls) - DOCUMENTED)
     assert not set(calls) & SETUP_ONLY
-    assert calls["data._ResumesMidEpoch.__iter__"] < 1  # once per epoch of 8 steps
+    assert calls["samplers.ResumableDistributedSampler.__iter__"] < 1  # once per epoch of 8 steps
 
 
 def test_amp_steps_do_only_the_documented_work(preloaded: Preloaded, tmp_path: Path) -> None:

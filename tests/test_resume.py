@@ -25,8 +25,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
 from lightning_ddp_amp._namespaces import namespaced_modules
-from lightning_ddp_amp.ddp.data import _position_of, check_resumed_positions, shard_dataloader
+from lightning_ddp_amp.ddp.position import check_resumed_positions, position_of
 from lightning_ddp_amp.ddp.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
+from lightning_ddp_amp.ddp.sharding import shard_dataloader
 from lightning_ddp_amp.launch.preemption import PREEMPTION
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))
@@ -456,7 +457,7 @@ def test_lightning_hands_a_saved_position_only_to_a_dataloader_set_up_after_the_
         trainer, _ = fit(tmp_path, model=model())
     new_pass = [w for w in caught if "saved in the middle of an epoch, and in one process" in str(w.message)]
     assert len(new_pass) == (0 if handed_over else 1)
-    position = _position_of(trainer.train_dataloader)
+    position = position_of(trainer.train_dataloader)
     assert position is not None
     assert position.restored == handed_over
 
@@ -547,7 +548,7 @@ def test_a_resumed_batch_sampler_skips_the_samples_of_the_trained_batches() -> N
 
 def without_global_batch(loader: DataLoader) -> DataLoader:
     """``loader`` laid out as by a batch sampler without a ``batch_size``: its position records no samples."""
-    position = _position_of(loader)
+    position = position_of(loader)
     assert position is not None
     position.layout = dataclasses.replace(position.layout, global_batch=None)
     return loader

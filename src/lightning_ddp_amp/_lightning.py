@@ -31,7 +31,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.loggers.logger import DummyLogger as DummyLogger
 
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
-# outside its documented API; re-exported for data.py.
+# outside its documented API; re-exported for ddp/sharding.py.
 from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSampler as UnrepeatedDistributedSampler,
 )
@@ -169,7 +169,7 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
-    itself (:mod:`lightning_ddp_amp.ddp.data`) and leaves only prediction to Lightning.
+    itself (:mod:`lightning_ddp_amp.ddp.sharding`) and leaves only prediction to Lightning.
     """
     trainer._accelerator_connector.use_distributed_sampler = enabled
 
@@ -250,7 +250,7 @@ def move_epoch_batches(trainer: pl.Trainer, by: int) -> None:
 
     Why: Lightning ends an epoch, validates and accumulates gradients by these counters of its undocumented
     progress tracking; a resumed epoch on another number of ranks has another number of batches
-    (:func:`lightning_ddp_amp.ddp.data.align_resumed_epoch`).
+    (:func:`lightning_ddp_amp.ddp.position.align_resumed_epoch`).
     """
     progress: Any = trainer.fit_loop.epoch_loop.batch_progress
     for counts in (progress.current, progress.total):

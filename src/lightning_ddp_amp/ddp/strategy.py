@@ -43,19 +43,13 @@ from typing_extensions import override
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.amp.precision import AmpPrecision
-from lightning_ddp_amp.ddp.data import (
-    align_resumed_epoch,
-    check_resumed_positions,
-    explain_loader_state_mismatch,
-    shard_dataloader,
-    warn_unshuffled_training_shards,
-)
 from lightning_ddp_amp.ddp.ddp_options import (
     DDPOptions,
     check_comm_hook_backend,
     register_comm_hook,
     resolve_comm_hook,
 )
+from lightning_ddp_amp.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
 from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -65,6 +59,7 @@ from lightning_ddp_amp.ddp.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
+from lightning_ddp_amp.ddp.sharding import shard_dataloader, warn_unshuffled_training_shards
 from lightning_ddp_amp.ddp.trainer_flags import (
     TrainerFlags,
     check_layer_sync,
@@ -133,7 +128,7 @@ class EnvDDPStrategy(DDPStrategy):
         ddp_impl: ``"torch"`` (``torch.nn.parallel.DistributedDataParallel``) or ``"apex"``
             (``apex.parallel.DistributedDataParallel``, as apex-era scripts used; ``**ddp_kwargs`` then go to it).
         split_batches: The DataLoaders' ``batch_size`` is the global batch, divided evenly across ranks; one
-            process trains the same global batches as several (see :mod:`lightning_ddp_amp.ddp.data`).
+            process trains the same global batches as several (see :mod:`lightning_ddp_amp.ddp.sharding`).
         exact_eval: Shard validation and test sets without padding duplicates, so every sample is evaluated once
             and epoch-level metrics equal a single-process run. Log eval metrics per epoch (Lightning's default
             for validation) when this is on: ranks may run one batch more or less than each other.

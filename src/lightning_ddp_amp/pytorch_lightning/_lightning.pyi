@@ -32,7 +32,7 @@ from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.loggers.logger import DummyLogger as DummyLogger
 
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
-# outside its documented API; re-exported for data.py.
+# outside its documented API; re-exported for ddp/sharding.py.
 from pytorch_lightning.overrides.distributed import (
     UnrepeatedDistributedSampler as UnrepeatedDistributedSampler,
 )
@@ -133,7 +133,7 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
-    itself (:mod:`lightning_ddp_amp.pytorch_lightning.ddp.data`) and leaves only prediction to Lightning.
+    itself (:mod:`lightning_ddp_amp.pytorch_lightning.ddp.sharding`) and leaves only prediction to Lightning.
     """
     ...
 
@@ -198,7 +198,7 @@ def move_epoch_batches(trainer: pl.Trainer, by: int) -> None:
 
     Why: Lightning ends an epoch, validates and accumulates gradients by these counters of its undocumented
     progress tracking; a resumed epoch on another number of ranks has another number of batches
-    (:func:`lightning_ddp_amp.pytorch_lightning.ddp.data.align_resumed_epoch`).
+    (:func:`lightning_ddp_amp.pytorch_lightning.ddp.position.align_resumed_epoch`).
     """
     ...
 

@@ -11,8 +11,8 @@
 * the first Ctrl-C (SIGINT) does the same, with status 130 (128 + SIGINT); a second one stops at once, unsaved.
 
 A checkpoint saved mid-epoch continues on any number of ranks, with the data set, seed and order it was saved with
-(see :mod:`lightning_ddp_amp.pytorch_lightning.ddp.data`); otherwise the fit stops before its first batch, and :class:`ResumePoint` words
-the error: which file (and that ``auto_resume`` picked it), why, and the ways on.
+(see :mod:`lightning_ddp_amp.pytorch_lightning.ddp.position`); otherwise the fit stops before its first batch, and :class:`ResumePoint`
+words the error: which file (and that ``auto_resume`` picked it), why, and the ways on.
 
 :class:`AutoResume` is the one object the strategy's hooks call; the SIGTERM handler it drives is process-wide
 (:data:`lightning_ddp_amp.launch.preemption.PREEMPTION`).
@@ -89,7 +89,8 @@ def record_world_size(checkpoint: dict[str, Any], world_size: int) -> None:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """The checkpoint a fit continues from, as far as the position of its training data goes.
+    """The resume point: the checkpoint a fit continues from, as a whole, as far as the position of its training data
+    goes (each training DataLoader's own place in it is a :class:`~lightning_ddp_amp.pytorch_lightning.ddp.position.LoaderPosition`).
 
     Args:
         path: The checkpoint file.
@@ -130,7 +131,8 @@ def check_step_schedulers(trainer: pl.Trainer, resuming: ResumePoint, world_size
         trainer: The Trainer, at the start of training.
         resuming: The checkpoint it continues.
         world_size: This run's number of ranks.
-        start: The batch index the resumed epoch continues at (:func:`lightning_ddp_amp.pytorch_lightning.ddp.data.align_resumed_epoch`).
+        start: The batch index the resumed epoch continues at
+            (:func:`lightning_ddp_amp.pytorch_lightning.ddp.position.align_resumed_epoch`).
 
     Raises:
         CheckpointError: A step-wise scheduler with ``total_steps`` has fewer steps left than this fit takes.
