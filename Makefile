@@ -19,7 +19,7 @@ CORE_TESTS := tests/test_multiprocess.py tests/test_amp_multiprocess.py tests/te
 	tests/test_overflow.py
 # What the lowest-Lightning leg leaves out: each is met with Lightning 2.5.0 on leg c or needs no Lightning API.
 LOWEST_LEAVES_OUT := --ignore=tests/test_faults.py --ignore=tests/test_multiprocess.py --ignore=tests/test_packaging.py \
-	--ignore=tests/test_examples.py --ignore=tests/test_readme.py --ignore=tests/test_doctor.py
+	--ignore=tests/test_examples.py --ignore=tests/test_readme.py --ignore=tests/test_env_report.py
 LOWEST_TESTS := -k "not exit_zero_every_time and not close_on_the_example_under_torchrun" $(LOWEST_LEAVES_OUT)
 # What the newest-torch leg leaves out of the core: legs a and c run it.
 NEWEST_CORE := $(filter-out tests/test_faults.py,$(CORE_TESTS))

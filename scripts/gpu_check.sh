@@ -17,7 +17,7 @@
 #   overflow  30 s  compare's overflow locator on CUDA fp16: tests/workers/compare_train.py's net.2 leaves fp16's
 #                   range at step 5; native-O1 (and apex-O1 with apex) must skip it and name net.2, float16
 #   benchmark 50 s  step time of fp32, native fp16/bf16 and apex O1/O2/O3 on a small conv net (60 s budget)
-#   rest      25 s  the other CUDA tests of tests/test_cuda.py (device pinning, the doctor); two-GPU tests skip
+#   rest      25 s  the other CUDA tests of tests/test_cuda.py (device pinning, `lightning-ddp-amp env`); two-GPU tests skip
 #   compare   45 s  `lightning-ddp-amp compare apex-O1 native-O1 amp-O1 bf16-mixed` on examples/two_models_one_optimizer.py
 #                   (100 steps, one GPU; without apex: 32-true native-O1 bf16-mixed); the report in compare/
 # Both runs of every compared pair use deterministic algorithms (CUBLAS_WORKSPACE_CONFIG below; the workers turn

@@ -51,7 +51,7 @@ MUTATIONS = (
     Mutation(
         "o2-masters-not-saved",
         "checkpoints under apex O2 leave out the fp32 master weights, so a resume restarts them from the fp16 weights",
-        "amp/apex_amp.py",
+        "amp/apex_backend.py",
         '        if self.keeps_master_weights:\n            state["master_weights"] = self.master_weight_values()\n',
         "",
         ("tests/test_precision.py::test_o2_resume_restores_the_fp32_master_weights_not_their_fp16_copies",),
@@ -59,7 +59,7 @@ MUTATIONS = (
     Mutation(
         "o2-masters-built-lazily",
         "apex O2's masters are left to apex's first backward, so optimizer state restored before it lands on fp16",
-        "amp/apex_amp.py",
+        "amp/apex_backend.py",
         "            if callable(lazy_init):\n                lazy_init()\n",
         "",
         ("tests/test_precision.py::test_o2_momentum_restored_from_a_checkpoint_is_fp32_on_the_master_weights",),
@@ -67,7 +67,7 @@ MUTATIONS = (
     Mutation(
         "o2-as-o3-for-ddp",
         "the DDP options are chosen as if apex O2 kept no masters: bucket views, which apex's zero_grad cannot detach",
-        "amp/apex_amp.py",
+        "amp/apex_backend.py",
         '    def master_weights(cls, settings: AmpSettings) -> bool:\n        return settings.opt_level == "O2"\n',
         "    def master_weights(cls, settings: AmpSettings) -> bool:\n        return False\n",
         ("tests/test_ddp_under_amp.py::test_gradients_are_bucket_views_unless_apex_keeps_master_weights",),
@@ -84,7 +84,7 @@ MUTATIONS = (
     Mutation(
         "ddp-user-kwargs-dropped",
         "DDP arguments given through **ddp_kwargs (static_graph, bucket_cap_mb, ...) never reach the wrapper",
-        "ddp/ddp_options.py",
+        "ddp/wrapper.py",
         "        return {**changed, **self.extra}\n",
         "        return changed\n",
         ("tests/test_strategy.py::test_only_changed_ddp_options_are_passed_on",),

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_ddp_amp.amp import native_amp
+from lightning_ddp_amp.amp import native_backend
 
 PACKAGE = "lightning_ddp_amp"
 
@@ -123,10 +123,10 @@ def apex_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
 def cpu_fp16_missing() -> str | None:
     """Why this torch cannot compute in float16 on the CPU, or None when it can (torch 2.3 and later).
 
-    The package's own probe (:func:`lightning_ddp_amp.amp.native_amp.cpu_fp16_missing`), which
+    The package's own probe (:func:`lightning_ddp_amp.amp.native_backend.cpu_fp16_missing`), which
     ``test_torch_features.py`` checks against the torch releases known to have it.
     """
-    missing = native_amp.cpu_fp16_missing()
+    missing = native_backend.cpu_fp16_missing()
     if not missing:
         return None
     return f"this torch ({torch.__version__}) lacks CPU float16: {', '.join(missing)}; torch 2.3 and later have it"

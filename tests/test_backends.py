@@ -15,8 +15,8 @@ from conftest import CPU_FP16_MISSING
 import lightning_ddp_amp
 
 ROOT = Path(__file__).parent.parent
-#: The apex backend's one line in the registry of lightning_ddp_amp/amp/amp_backend.py.
-APEX_REGISTRATION = '    "apex": "lightning_ddp_amp.amp.apex_amp:ApexAmp",\n'
+#: The apex backend's one line in the registry of lightning_ddp_amp/amp/backend.py.
+APEX_REGISTRATION = '    "apex": "lightning_ddp_amp.amp.apex_backend:ApexAmp",\n'
 #: The native backend's tests: these files, less the tests that use the apex double (deselected by the plugin
 #: below) and the five that need the apex backend itself: three name it in a message, two fall back from it.
 NATIVE_TESTS = (
@@ -49,8 +49,8 @@ def package_without_apex_backend(folder: Path) -> Path:
     """A copy of the package in ``folder`` with the apex backend's module and registry line deleted."""
     package = folder / "lightning_ddp_amp"
     shutil.copytree(Path(lightning_ddp_amp.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "amp" / "apex_amp.py").unlink()
-    registry = package / "amp" / "amp_backend.py"
+    (package / "amp" / "apex_backend.py").unlink()
+    registry = package / "amp" / "backend.py"
     text = registry.read_text()
     assert text.count(APEX_REGISTRATION) == 1, "the apex backend is no longer registered by one line"
     registry.write_text(text.replace(APEX_REGISTRATION, ""))

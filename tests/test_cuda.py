@@ -71,7 +71,7 @@ def test_auto_devices_start_one_rank_per_gpu(tmp_path: Path) -> None:
         assert report(tmp_path, rank)["launcher"] == "self-launch"
 
 
-def test_doctor_reports_the_gpus_cuda_and_nccl() -> None:
+def test_env_reports_the_gpus_cuda_and_nccl() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "lightning_ddp_amp", "env", "--json"],
         env=worker_env(),

@@ -73,9 +73,9 @@ LAYERS: list[dict[str, set[str]]] = [
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
     {"migrate": {"migrate"}},
-    {"public API": {"", "cli", "doctor"}},
+    {"public API": {"", "cli", "env_report"}},
     {"compare": {"compare"}},
-    {"entry points": {"command", "__main__"}},
+    {"entry points": {"command_line", "__main__"}},
 ]
 
 

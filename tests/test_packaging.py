@@ -121,7 +121,7 @@ def test_the_wheel_ships_the_type_marker_and_the_console_script(build: Build) ->
     assert "lightning_ddp_amp/pytorch_lightning/__init__.pyi" in names  # the types of the pytorch_lightning flavour
     assert "lightning_ddp_amp/pytorch_lightning/ddp/strategy.pyi" in names  # and of its subpackages
     assert "lightning_ddp_amp/compare/_site/sitecustomize.py" in names  # what `compare` puts on PYTHONPATH
-    assert "lightning-ddp-amp = lightning_ddp_amp.command:main" in scripts
+    assert "lightning-ddp-amp = lightning_ddp_amp.command_line:main" in scripts
 
 
 def test_the_build_uses_no_deprecated_setuptools_configuration(build: Build) -> None:

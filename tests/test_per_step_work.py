@@ -21,8 +21,8 @@ DOCUMENTED = {
     "strategy.EnvDDPStrategy.parallel_devices",
     "strategy.EnvDDPStrategy.cluster_environment",
     # ... which hand over to the negotiated flags' cached values.
-    "trainer_flags.TrainerFlags.devices",
-    "trainer_flags.TrainerFlags.environment",
+    "reconciler.TopologyReconciler.devices",
+    "reconciler.TopologyReconciler.environment",
     "cluster_environment.LauncherEnvironment.local_rank",
     "cluster_environment.LauncherEnvironment.global_rank",
     "cluster_environment.LauncherEnvironment.world_size",
@@ -49,13 +49,13 @@ DOCUMENTED_AMP = DOCUMENTED | {
     "precision.AmpPrecision.optimizer_step",
     # Lightning's before-step hooks and gradient clipping, between the closure and the step (through the fence).
     "_lightning.after_closure",
-    "native_amp.NativeAmp.scales_loss",
-    "native_amp.NativeAmp.backward",
-    "native_amp.NativeAmp.convert_input",
-    "native_amp.NativeAmp.forward_context",
-    "native_amp.NativeAmp.step",
-    "native_amp.NativeAmp.unscale",
-    "native_amp.NativeAmp._clamp",
+    "native_backend.NativeAmp.scales_loss",
+    "native_backend.NativeAmp.backward",
+    "native_backend.NativeAmp.convert_input",
+    "native_backend.NativeAmp.forward_context",
+    "native_backend.NativeAmp.step",
+    "native_backend.NativeAmp.unscale",
+    "native_backend.NativeAmp._clamp",
 }
 #: Setup work that would be a regression if it ran every step.
 SETUP_ONLY = {

@@ -25,7 +25,7 @@ from lightning_ddp_amp import (
     PrecisionConfigurationError,
     StrategyConfigurationError,
 )
-from lightning_ddp_amp.amp.native_amp import NativeAmp
+from lightning_ddp_amp.amp.native_backend import NativeAmp
 
 DATA = TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.randn(32, 1))
 
@@ -972,7 +972,7 @@ def test_a_transformer_under_apex_o1_on_a_torch_without_the_fast_path_switch_is_
     apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As on torch 2.1 and 2.2 (named by its path: the native backend's tests run without the apex module).
-    monkeypatch.setattr("lightning_ddp_amp.amp.apex_amp._attention_fast_path_switch", lambda: None)
+    monkeypatch.setattr("lightning_ddp_amp.amp.apex_backend._attention_fast_path_switch", lambda: None)
     t = fit(TwoModels(), precision="apex-O1")
     with pytest.raises(
         PrecisionConfigurationError,

@@ -27,7 +27,7 @@ from lightning_ddp_amp import (
     StrategyConfigurationError,
     TopologyMismatchError,
 )
-from lightning_ddp_amp.ddp.ddp_options import DEVIATIONS
+from lightning_ddp_amp.ddp.wrapper import DEVIATIONS
 from lightning_ddp_amp.launch import process_group, selflaunch
 from lightning_ddp_amp.launch.environment import Topology
 

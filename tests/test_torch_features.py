@@ -18,8 +18,8 @@ from conftest import free_port, worker_env
 from packaging.version import Version
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError, doctor
-from lightning_ddp_amp.amp import native_amp
+from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError, env_report
+from lightning_ddp_amp.amp import native_backend
 from lightning_ddp_amp.launch import process_group
 from lightning_ddp_amp.launch.environment import Topology
 
@@ -58,12 +58,12 @@ def fit_on_the_cpu(precision: AmpPrecision) -> L.Trainer:
 @pytest.fixture
 def torch_without_cpu_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
     """This torch, as the package sees one without CPU float16 (torch before 2.3)."""
-    monkeypatch.setattr(native_amp, "cpu_fp16_missing", lambda: ("fp16 linear", 'torch.autocast("cpu", ...)'))
+    monkeypatch.setattr(native_backend, "cpu_fp16_missing", lambda: ("fp16 linear", 'torch.autocast("cpu", ...)'))
 
 
 def test_cpu_fp16_probe_agrees_with_the_releases_known_to_have_it() -> None:
     # CPU float16 matmuls, CPU fp16 autocast and torch.amp.GradScaler all arrived in torch 2.3.
-    assert bool(native_amp.cpu_fp16_missing()) == (TORCH_RELEASE < (2, 3))
+    assert bool(native_backend.cpu_fp16_missing()) == (TORCH_RELEASE < (2, 3))
 
 
 def test_native_fp16_on_a_cpu_without_fp16_is_an_error_naming_what_torch_lacks(torch_without_cpu_fp16: None) -> None:
@@ -86,7 +86,7 @@ def test_bfloat16_and_fp32_train_on_a_cpu_without_fp16(torch_without_cpu_fp16: N
     assert fit_on_the_cpu(AmpPrecision(backend="native", **precision)).global_step == 2
 
 
-@pytest.mark.skipif(not native_amp.cpu_fp16_missing(), reason="this torch has CPU float16 (torch 2.3 and later)")
+@pytest.mark.skipif(not native_backend.cpu_fp16_missing(), reason="this torch has CPU float16 (torch 2.3 and later)")
 def test_this_torch_refuses_native_fp16_on_the_cpu() -> None:
     with pytest.raises(PrecisionConfigurationError, match=r"cannot train in float16 on the CPU.*install torch>=2.3"):
         fit_on_the_cpu(AmpPrecision(backend="native"))
@@ -96,7 +96,7 @@ def test_cuda_scaler_falls_back_to_torch_cuda_amp_where_torch_amp_has_none(monke
     monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available" here; deprecated on torch that has torch.amp's
-        amp = native_amp.NativeAmp("O1", torch.float16, "cuda", None, None, 2.0**24)
+        amp = native_backend.NativeAmp("O1", torch.float16, "cuda", None, None, 2.0**24)
     assert isinstance(amp.scaler, torch.cuda.amp.GradScaler)
 
 
@@ -163,7 +163,7 @@ def test_what_torch_lacks_for_native_amp_is_named(
     torch_without_cpu_fp16: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
-    scaler, cpu_fp16 = native_amp.torch_gaps()
+    scaler, cpu_fp16 = native_backend.torch_gaps()
     assert "has no torch.amp.GradScaler, so CUDA uses torch.cuda.amp.GradScaler" in scaler
     assert 'lacks fp16 linear, torch.autocast("cpu", ...), so native float16 AMP runs on CUDA only' in cpu_fp16
 
@@ -171,9 +171,9 @@ def test_what_torch_lacks_for_native_amp_is_named(
 def test_native_amp_lacks_nothing_on_a_torch_with_cpu_fp16_and_torch_amp_grad_scaler(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(native_amp, "cpu_fp16_missing", lambda: ())
+    monkeypatch.setattr(native_backend, "cpu_fp16_missing", lambda: ())
     monkeypatch.setattr(torch.amp, "GradScaler", object, raising=False)  # a stand-in: only its presence is read
-    assert native_amp.torch_gaps() == []
+    assert native_backend.torch_gaps() == []
 
 
 def test_a_rank_alone_is_a_peer_error_counting_the_ranks_that_joined() -> None:
@@ -240,16 +240,16 @@ def test_a_rank_waiting_for_rank_zero_says_where_it_looks(capsys: pytest.Capture
     assert f"envddp: rank 1 of 2 is waiting for rank 0 at 127.0.0.1:{job.master_port} (" in capsys.readouterr().err
 
 
-def test_the_doctor_lists_what_this_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_env_report_lists_what_this_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(process_group, "BINDS_DEVICE", False)
-    data = doctor.report(argv=[])
+    data = env_report.report(argv=[])
     assert any("init_process_group has no device_id" in gap for gap in data["versions"]["torch_gaps"])
-    assert "\n  without    torch " in doctor.render(data)
+    assert "\n  without    torch " in env_report.render(data)
 
 
-def test_the_doctor_flags_a_torch_older_than_2_1(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_env_report_flags_a_torch_older_than_2_1(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "__version__", "2.0.1")
-    problems = doctor.report(argv=[])["problems"]
+    problems = env_report.report(argv=[])["problems"]
     assert {
         "problem": "torch 2.0.1 is older than the releases lightning-ddp-amp supports",
         "fix": "pip install 'torch>=2.1'",

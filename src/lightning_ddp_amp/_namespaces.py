@@ -49,7 +49,7 @@ _ROOT = Path(__file__).parent
 #: The flavour's type stubs: read by type checkers only, the import hook below serves the modules.
 STUBS = _ROOT / "pytorch_lightning"
 # Modules never copied: the entry points and this module. Names are relative to the package: "ddp.strategy".
-_NEVER = {"__init__", "__main__", "command", "_namespaces"}
+_NEVER = {"__init__", "__main__", "command_line", "_namespaces"}
 # The public classes of the copied modules, as named in messages and docs (`lightning_ddp_amp.AmpPrecision`).
 _PUBLIC_CLASSES = ("EnvDDPStrategy", "AmpPrecision", "LauncherEnvironment")
 

@@ -2,7 +2,7 @@
 
 ``apex.amp`` exists only in NVIDIA apex releases up to 25.05 (it was removed in May 2025), built from source with
 its CUDA extensions. The package called ``apex`` on PyPI is an unrelated web toolkit. The apex amp backend
-(:mod:`lightning_ddp_amp.amp.apex_amp`), ``EnvDDPStrategy(ddp_impl="apex")`` and the doctor import apex through here.
+(:mod:`lightning_ddp_amp.amp.apex_backend`), ``EnvDDPStrategy(ddp_impl="apex")`` and the env report import apex through here.
 """
 
 from __future__ import annotations

@@ -43,13 +43,9 @@ from typing_extensions import override
 import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.amp.precision import AmpPrecision
-from lightning_ddp_amp.ddp.ddp_options import (
-    DDPOptions,
-    check_comm_hook_backend,
-    register_comm_hook,
-    resolve_comm_hook,
-)
 from lightning_ddp_amp.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
+from lightning_ddp_amp.ddp.rank_zero import log_once
+from lightning_ddp_amp.ddp.reconciler import TopologyReconciler, check_layer_sync
 from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -60,12 +56,13 @@ from lightning_ddp_amp.ddp.resume import (
     unreadable_checkpoint,
 )
 from lightning_ddp_amp.ddp.sharding import shard_dataloader, warn_unshuffled_training_shards
-from lightning_ddp_amp.ddp.trainer_flags import (
-    TrainerFlags,
-    check_layer_sync,
+from lightning_ddp_amp.ddp.wrapper import (
+    DDPOptions,
+    check_comm_hook_backend,
     check_precision_plugin,
-    log_once,
     master_weights,
+    register_comm_hook,
+    resolve_comm_hook,
 )
 from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
 from lightning_ddp_amp.launch.environment import Topology, started_by
@@ -110,7 +107,7 @@ class EnvDDPStrategy(DDPStrategy):
         timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
             A ``timedelta`` or seconds. A process group the script started keeps the timeout the script gave it.
         find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
-            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS` says why not.
+            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
             a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
@@ -174,7 +171,7 @@ class EnvDDPStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         # Filled by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
-        self._flags = TrainerFlags()
+        self._reconciler = TopologyReconciler()
         self.max_restarts = whole_number(
             StrategyConfigurationError,
             "max_restarts",
@@ -213,12 +210,12 @@ class EnvDDPStrategy(DDPStrategy):
         if accelerator is not None:
             # Built with its accelerator, the strategy may run without a Trainer, so it reads the launcher now; a
             # Trainer's ClusterEnvironment plugin then meets Lightning's "set through both strategy and plugins".
-            self._flags.use_launcher_unless_given()
+            self._reconciler.use_launcher_unless_given()
 
     @property
     def topology(self) -> Topology:
         """What the launcher, or the cluster environment given, set up (validated)."""
-        return self._flags.topology
+        return self._reconciler.topology
 
     @property
     @override
@@ -229,19 +226,19 @@ class EnvDDPStrategy(DDPStrategy):
 
         None until one of them is known: that is how the Trainer knows to hand over its plugin.
         """
-        return self._flags.environment
+        return self._reconciler.environment
 
     @cluster_environment.setter
     def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
-        """Read the topology from ``environment`` (:meth:`TrainerFlags.set_environment
-        <lightning_ddp_amp.ddp.trainer_flags.TrainerFlags.set_environment>`); None leaves the choice open.
+        """Read the topology from ``environment`` (:meth:`TopologyReconciler.set_environment
+        <lightning_ddp_amp.ddp.reconciler.TopologyReconciler.set_environment>`); None leaves the choice open.
 
         Raises:
             LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
             StrategyConfigurationError: The environment cannot be honoured (see
                 :func:`~lightning_ddp_amp.launch.cluster_environment.environment_topology`).
         """
-        self._flags.set_environment(environment)
+        self._reconciler.set_environment(environment)
 
     @property
     @override
@@ -257,13 +254,13 @@ class EnvDDPStrategy(DDPStrategy):
     def parallel_devices(self) -> list[torch.device] | None:
         """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
         until then)."""
-        return self._flags.devices(self.accelerator)
+        return self._reconciler.devices(self.accelerator)
 
     @parallel_devices.setter
     def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
         """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
         node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
-        self._flags.set_devices(parallel_devices)
+        self._reconciler.set_devices(parallel_devices)
 
     def check_trainer_flags(
         self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
@@ -278,23 +275,23 @@ class EnvDDPStrategy(DDPStrategy):
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, ``sync_batchnorm=True``
-                on CPU ranks, or a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.trainer_flags.check_precision_plugin`).
+                on CPU ranks, or a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.wrapper.check_precision_plugin`).
         """
         check_precision_plugin(self.precision_plugin, self._ddp, self._ddp_comm_hook, self._ddp_comm_wrapper)
-        self._flags.check(self.accelerator, devices, num_nodes, use_distributed_sampler, self.exact_eval)
-        ranks = max(self.topology.world_size, len(self._flags.requested or []))
+        self._reconciler.check(self.accelerator, devices, num_nodes, use_distributed_sampler, self.exact_eval)
+        ranks = max(self.topology.world_size, len(self._reconciler.requested or []))
         check_layer_sync(self._layer_sync, self.accelerator, ranks)
 
     def start_missing_ranks(self) -> None:
         """No launcher started this process: start one rank per device through torchrun, or train alone
-        (:meth:`TrainerFlags.start_missing_ranks <lightning_ddp_amp.ddp.trainer_flags.TrainerFlags.start_missing_ranks>`).
+        (:meth:`TopologyReconciler.start_missing_ranks <lightning_ddp_amp.ddp.reconciler.TopologyReconciler.start_missing_ranks>`).
 
         The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`.
 
         Raises:
             StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
         """
-        self._flags.start_missing_ranks(self.accelerator, self.max_restarts)
+        self._reconciler.start_missing_ranks(self.accelerator, self.max_restarts)
 
     @override
     def _configure_launcher(self) -> None:
@@ -357,7 +354,7 @@ class EnvDDPStrategy(DDPStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # 3. The DataLoaders are sharded by process_dataloader; Lightning only shards predictions.
-        self._flags.route_sampler_injection(trainer)
+        self._reconciler.route_sampler_injection(trainer)
         if fitting:
             # 4. Optimizers over the bare module's parameters, as the recipe builds them before amp and DDP.
             self.setup_optimizers(trainer)
@@ -377,7 +374,7 @@ class EnvDDPStrategy(DDPStrategy):
     @property
     def ddp_options(self) -> dict[str, Any]:
         """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        defaults (:data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS`) decided against the precision plugin."""
         return self._ddp.to_kwargs(master_weights(self.precision_plugin))
 
     @override
@@ -419,7 +416,7 @@ class EnvDDPStrategy(DDPStrategy):
             num_replicas=self.topology.world_size,
             rank=self.topology.rank,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-            shard=bool(self._flags.shard_dataloaders),
+            shard=bool(self._reconciler.shard_dataloaders),
             split_batches=self.split_batches,
             exact_eval=self.exact_eval,
             progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),

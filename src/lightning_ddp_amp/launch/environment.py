@@ -93,9 +93,9 @@ class Topology:
 
 
 def started_by(launcher: str) -> str:
-    """Who started the processes, in words, for the one start-up line and the doctor: ``"started by torchrun"``.
+    """Who started the processes, in words, for the one start-up line and the env report: ``"started by torchrun"``.
 
-    Only asked under a launcher: without one, the strategy and the doctor say what happens instead.
+    Only asked under a launcher: without one, the strategy and the env report say what happens instead.
     """
     if launcher == "self-launch":
         return "started by the script itself, through torchrun (self-launch)"

@@ -13,7 +13,7 @@ from . import amp, fp16_utils, parallel
 
 __all__ = ["amp", "fp16_utils", "parallel"]
 
-#: Real apex has no such flag: tests (and lightning_ddp_amp's doctor) read it to tell the double from apex.
+#: Real apex has no such flag: tests (and lightning_ddp_amp's env report) read it to tell the double from apex.
 IS_TEST_DOUBLE = True
 
 

@@ -44,13 +44,9 @@ from typing_extensions import override
 import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision
-from lightning_ddp_amp.ddp.ddp_options import (
-    DDPOptions,
-    check_comm_hook_backend,
-    register_comm_hook,
-    resolve_comm_hook,
-)
 from lightning_ddp_amp.pytorch_lightning.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
+from lightning_ddp_amp.pytorch_lightning.ddp.rank_zero import log_once
+from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import TopologyReconciler, check_layer_sync
 from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -61,12 +57,13 @@ from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     unreadable_checkpoint,
 )
 from lightning_ddp_amp.pytorch_lightning.ddp.sharding import shard_dataloader, warn_unshuffled_training_shards
-from lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags import (
-    TrainerFlags,
-    check_layer_sync,
+from lightning_ddp_amp.ddp.wrapper import (
+    DDPOptions,
+    check_comm_hook_backend,
     check_precision_plugin,
-    log_once,
     master_weights,
+    register_comm_hook,
+    resolve_comm_hook,
 )
 from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
 from lightning_ddp_amp.launch.environment import Topology, started_by
@@ -111,7 +108,7 @@ class EnvDDPStrategy(DDPStrategy):
         timeout: How long collectives, and the wait for all peers at start-up, may take before they fail.
             A ``timedelta`` or seconds. A process group the script started keeps the timeout the script gave it.
         find_unused_parameters: Passed to ``DistributedDataParallel``; None (here and in the next four) keeps
-            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS` says why not.
+            the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
             a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
@@ -195,8 +192,8 @@ class EnvDDPStrategy(DDPStrategy):
 
     @cluster_environment.setter
     def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
-        """Read the topology from ``environment`` (:meth:`TrainerFlags.set_environment
-        <lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.TrainerFlags.set_environment>`); None leaves the choice open.
+        """Read the topology from ``environment`` (:meth:`TopologyReconciler.set_environment
+        <lightning_ddp_amp.pytorch_lightning.ddp.reconciler.TopologyReconciler.set_environment>`); None leaves the choice open.
 
         Raises:
             LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
@@ -240,13 +237,13 @@ class EnvDDPStrategy(DDPStrategy):
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, ``sync_batchnorm=True``
-                on CPU ranks, or a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.check_precision_plugin`).
+                on CPU ranks, or a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.wrapper.check_precision_plugin`).
         """
         ...
 
     def start_missing_ranks(self) -> None:
         """No launcher started this process: start one rank per device through torchrun, or train alone
-        (:meth:`TrainerFlags.start_missing_ranks <lightning_ddp_amp.pytorch_lightning.ddp.trainer_flags.TrainerFlags.start_missing_ranks>`).
+        (:meth:`TopologyReconciler.start_missing_ranks <lightning_ddp_amp.pytorch_lightning.ddp.reconciler.TopologyReconciler.start_missing_ranks>`).
 
         The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`.
 
@@ -277,7 +274,7 @@ class EnvDDPStrategy(DDPStrategy):
     @property
     def ddp_options(self) -> dict[str, Any]:
         """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp.ddp_options.DEVIATIONS`) decided against the precision plugin."""
+        defaults (:data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS`) decided against the precision plugin."""
         ...
 
     @override

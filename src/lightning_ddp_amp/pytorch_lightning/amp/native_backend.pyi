@@ -1,4 +1,4 @@
-# Generated from ../../amp/native_amp.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+# Generated from ../../amp/native_backend.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
 """torch.amp as a backend of :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`: apex's O-levels in native terms.
 
 ========  ===================================================  ================================================
@@ -40,7 +40,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, ModuleSelector, cast_floats
+from lightning_ddp_amp.pytorch_lightning.amp.backend import AmpBackend, ModuleSelector, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 

@@ -1,4 +1,4 @@
-# Generated from ../../amp/apex_amp.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+# Generated from ../../amp/apex_backend.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
 """NVIDIA apex amp as a backend of :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`: the calls the recipe made::
 
     models, optimizer = amp.initialize(models, optimizer, opt_level="O1")   # before DDP
@@ -26,8 +26,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_amp.pytorch_lightning.amp.amp_backend import AmpBackend, ModuleSelector, cast_floats
 from lightning_ddp_amp.amp.apex_loader import find_amp, load_apex_module, missing_cuda
+from lightning_ddp_amp.pytorch_lightning.amp.backend import AmpBackend, ModuleSelector, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 

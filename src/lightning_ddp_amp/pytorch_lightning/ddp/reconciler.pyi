@@ -1,31 +1,28 @@
-# Generated from ../../ddp/trainer_flags.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
-"""What the Trainer says about the run, checked against what the launcher started: envddp's negotiation.
+# Generated from ../../ddp/reconciler.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""What the Trainer says about the run, reconciled with what the launcher started.
 
 The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its own pick), its devices
 (``parallel_devices``), and, through the hook around its construction, the raw ``devices``, ``num_nodes`` and
 ``use_distributed_sampler`` (:meth:`EnvDDPStrategy.check_trainer_flags
 <lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy.check_trainer_flags>`). The launcher has already decided the ranks, the nodes and
-the processes per node. :class:`TrainerFlags` keeps what each side said, picks the device of every local rank, and
-refuses a Trainer argument that contradicts the launcher, and starts the ranks no launcher started
-(:meth:`TrainerFlags.start_missing_ranks`); :func:`check_precision_plugin` refuses the DDP options the
-precision plugin cannot train with. ``EnvDDPStrategy`` keeps Lightning's interface (its ``cluster_environment``,
-``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
+the processes per node. :class:`TopologyReconciler` keeps what each side said, picks the device of every local
+rank, refuses a Trainer argument that contradicts the launcher, and starts the ranks no launcher started
+(:meth:`TopologyReconciler.start_missing_ranks`). ``EnvDDPStrategy`` keeps Lightning's interface (its
+``cluster_environment``, ``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning_fabric.plugins import ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
-from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
+from lightning_ddp_amp.pytorch_lightning.ddp.rank_zero import log_once
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
@@ -33,7 +30,7 @@ from lightning_ddp_amp.launch.devices import select_devices
 from lightning_ddp_amp.launch.environment import Topology, read_topology
 
 
-class TrainerFlags:
+class TopologyReconciler:
     """The cluster environment, the devices and the Trainer's flags of one strategy, reconciled with the launcher.
 
     Attributes:
@@ -146,37 +143,4 @@ def check_layer_sync(layer_sync: object | None, accelerator: Accelerator | None,
     Raises:
         StrategyConfigurationError: ``sync_batchnorm=True`` with several ranks on the CPU.
     """
-    ...
-
-
-def check_precision_plugin(
-    plugin: Precision,
-    ddp: DDPOptions,
-    comm_hook: Callable[..., Any] | None,
-    comm_wrapper: Callable[..., Any] | None,
-) -> None:
-    """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
-
-    Raises:
-        StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
-            out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
-            compression hook on a model whose gradients are already half precision.
-    """
-    ...
-
-
-def master_weights(plugin: Precision) -> bool:
-    """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
-    ...
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    ...
-
-
-_LOGGED: set[str] = set()
-
-
-def log_once(message: str, warn: bool = False) -> None:
-    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
     ...

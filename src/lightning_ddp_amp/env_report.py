@@ -1,4 +1,4 @@
-"""``lightning-ddp-amp env``: what this process would train with, and what stands in the way.
+"""`the env report`: what this process would train with, and what stands in the way.
 
 The report covers the launcher and topology this rank reads, its devices, the versions of torch, Lightning, CUDA,
 cuDNN and NCCL, the process-group backends, and NVIDIA apex: whether it is installed at all, whether it is the
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from lightning_ddp_amp import _lightning
-from lightning_ddp_amp.amp import native_amp
+from lightning_ddp_amp.amp import native_backend
 from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES, installation
 from lightning_ddp_amp.errors import LightningDDPAmpError
 from lightning_ddp_amp.launch import process_group
@@ -89,11 +89,11 @@ LABEL = 13
 
 
 def report(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Everything the doctor knows, as plain JSON-compatible data.
+    """Everything the env report knows, as plain JSON-compatible data.
 
     Args:
         environ: The environment to read; ``os.environ`` when None.
-        argv: The training command line to search for ``--local-rank``; none when None (the doctor's own
+        argv: The training command line to search for ``--local-rank``; none when None (the env report's own
             arguments are not a training script's).
 
     Returns:
@@ -270,7 +270,7 @@ def _versions(problems: list[dict[str, str]]) -> dict[str, Any]:
         "pytorch_lightning": installed("pytorch_lightning"),
     }
     # What this torch lacks, probed, and what the package does without it.
-    section["torch_gaps"] = process_group.torch_gaps() + native_amp.torch_gaps()
+    section["torch_gaps"] = process_group.torch_gaps() + native_backend.torch_gaps()
     if Version(torch.__version__).release < OLDEST_TORCH.release:
         problems.append(
             {
@@ -513,7 +513,7 @@ def _wrap(text: str, indent: str = "") -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``lightning-ddp-amp`` command. Returns 0 when the report lists no problems, else 1."""
     parser = argparse.ArgumentParser(prog="lightning-ddp-amp", description=__doc__.split("\n")[0].replace("``", ""))
-    # What `python -m torch.distributed.launch` without --use-env puts before the command, so the doctor runs
+    # What `python -m torch.distributed.launch` without --use-env puts before the command, so the env report runs
     # under it too.
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)

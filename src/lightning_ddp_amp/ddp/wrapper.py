@@ -4,8 +4,9 @@ torch's defaults are read from ``DistributedDataParallel``'s signature, and only
 are passed on, as Accelerate's ``DistributedDataParallelKwargs.to_kwargs()`` does. Where envddp's default differs
 from torch's on purpose, :data:`DEVIATIONS` holds it with the reason. ``ddp_impl="apex"`` swaps in
 ``apex.parallel.DistributedDataParallel``, which has none of torch's options. The communication hook is an option
-too: named by a string (:data:`COMM_HOOKS`), and checked against the process group's backend. This module imports
-nothing from Lightning.
+too: named by a string (:data:`COMM_HOOKS`), and checked against the process group's backend and the precision
+plugin (:func:`check_precision_plugin`). This module imports nothing from Lightning: a precision plugin is asked for
+its ``master_weights`` and ``model_dtype``, whichever Lightning flavour or front door built it.
 """
 
 from __future__ import annotations
@@ -261,3 +262,52 @@ def register_comm_hook(
     hooks on CUDA only."""
     if hook is not None:
         model.register_comm_hook(state=state, hook=wrapper(hook) if wrapper is not None else hook)
+
+
+def check_precision_plugin(
+    plugin: object,
+    ddp: DDPOptions,
+    comm_hook: Callable[..., Any] | None,
+    comm_wrapper: Callable[..., Any] | None,
+) -> None:
+    """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
+
+    Raises:
+        StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
+            out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
+            compression hook on a model whose gradients are already half precision.
+    """
+    refused = ddp.refused_with_master_weights() if master_weights(plugin) else {}
+    for name, reason in refused.items():
+        value = ddp.given[name]
+        raise StrategyConfigurationError(
+            name,
+            value,
+            f"under {plugin} {reason}",
+            f"drop {name}={value!r} (envddp leaves it at torch's default under fp32 master weights), or use"
+            " opt_level='O1'",
+        )
+    half = getattr(plugin, "model_dtype", None)
+    compression = compression_dtype(comm_hook, comm_wrapper)
+    if half is not None and compression is not None:
+        name = "ddp_comm_wrapper" if comm_wrapper is not None else "ddp_comm_hook"
+        effect = (
+            "compresses nothing"
+            if compression == half
+            else f"would round them to {_dtype_name(compression)}, losing precision without saving any bytes"
+        )
+        raise StrategyConfigurationError(
+            name,
+            "fp16" if compression == torch.float16 else "bf16",
+            f"under {plugin} the model's gradients are already {_dtype_name(half)}, so the hook {effect}",
+            f"drop {name}: DDP already communicates these gradients in {_dtype_name(half)}",
+        )
+
+
+def master_weights(plugin: object) -> bool:
+    """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
+    return bool(getattr(plugin, "master_weights", False))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

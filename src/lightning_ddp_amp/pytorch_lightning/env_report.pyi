@@ -1,5 +1,5 @@
-# Generated from ../doctor.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
-"""``lightning-ddp-amp env``: what this process would train with, and what stands in the way.
+# Generated from ../env_report.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""`the env report`: what this process would train with, and what stands in the way.
 
 The report covers the launcher and topology this rank reads, its devices, the versions of torch, Lightning, CUDA,
 cuDNN and NCCL, the process-group backends, and NVIDIA apex: whether it is installed at all, whether it is the
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.pytorch_lightning.amp import native_amp
+from lightning_ddp_amp.pytorch_lightning.amp import native_backend
 from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES, installation
 from lightning_ddp_amp.errors import LightningDDPAmpError
 from lightning_ddp_amp.launch import process_group
@@ -90,11 +90,11 @@ LABEL = 13
 
 
 def report(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Everything the doctor knows, as plain JSON-compatible data.
+    """Everything the env report knows, as plain JSON-compatible data.
 
     Args:
         environ: The environment to read; ``os.environ`` when None.
-        argv: The training command line to search for ``--local-rank``; none when None (the doctor's own
+        argv: The training command line to search for ``--local-rank``; none when None (the env report's own
             arguments are not a training script's).
 
     Returns:

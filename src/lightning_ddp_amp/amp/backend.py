@@ -1,9 +1,8 @@
-# Generated from ../../amp/amp_backend.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
-"""The interface :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` delegates to, and the registry of its backends.
+"""The interface :class:`~lightning_ddp_amp.AmpPrecision` delegates to, and the registry of its backends.
 
 ``AmpPrecision`` validates its arguments (:mod:`~lightning_ddp_amp.amp.settings`), picks a backend by name and hands each Lightning hook to it. A backend
-answers those hooks for one AMP implementation: :class:`~lightning_ddp_amp.pytorch_lightning.amp.apex_amp.ApexAmp` (NVIDIA apex amp) or
-:class:`~lightning_ddp_amp.pytorch_lightning.amp.native_amp.NativeAmp` (torch.amp). Hooks a backend does not need keep the defaults here.
+answers those hooks for one AMP implementation: :class:`~lightning_ddp_amp.amp.apex_backend.ApexAmp` (NVIDIA apex amp) or
+:class:`~lightning_ddp_amp.amp.native_backend.NativeAmp` (torch.amp). Hooks a backend does not need keep the defaults here.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from pytorch_lightning import LightningModule
-from pytorch_lightning.strategies import Strategy
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import Strategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
@@ -29,8 +28,8 @@ from lightning_ddp_amp.errors import LightningDDPAmpError, PrecisionConfiguratio
 #: The backends by name, as ``module:class``, in the order ``backend="auto"`` tries them. A backend is imported
 #: only when it is asked for, so removing one is removing its module and its line here.
 _REGISTRY = {
-    "apex": "lightning_ddp_amp.pytorch_lightning.amp.apex_amp:ApexAmp",
-    "native": "lightning_ddp_amp.pytorch_lightning.amp.native_amp:NativeAmp",
+    "apex": "lightning_ddp_amp.amp.apex_backend:ApexAmp",
+    "native": "lightning_ddp_amp.amp.native_backend:NativeAmp",
 }
 
 #: AmpPrecision's way of choosing the modules amp acts on (``models``, ``configure_amp_models()`` or the module).
@@ -38,7 +37,7 @@ ModuleSelector = Callable[[LightningModule], list[Module]]
 
 
 class AmpBackend(abc.ABC):
-    """One AMP implementation behind :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`, hook by hook.
+    """One AMP implementation behind :class:`~lightning_ddp_amp.AmpPrecision`, hook by hook.
 
     The class methods answer from the settings alone, before a Trainer exists (the strategy asks for
     ``master_weights`` and ``model_dtype`` then); an instance is built once the device is known.
@@ -104,7 +103,11 @@ class AmpBackend(abc.ABC):
 
         The reason :meth:`check_trainer_setup` would refuse them for: one rule, whether it refuses or passes over.
         """
-        ...
+        try:
+            cls.check_trainer_setup(settings, strategy, device_type)
+        except LightningDDPAmpError as error:
+            return f"{error.field}={error.value!r}: {error.problem}"
+        return None
 
     def convert_module(self, module: Module, select: ModuleSelector) -> None:  # noqa: B027 (optional hook)
         """Prepare the model before the optimizers exist (``Precision.convert_module``)."""
@@ -118,11 +121,11 @@ class AmpBackend(abc.ABC):
 
     def convert_input(self, data: Any) -> Any:
         """The batch as the model should see it."""
-        ...
+        return data
 
     def forward_context(self) -> AbstractContextManager[None]:
         """The context every forward runs in."""
-        ...
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def backward(
@@ -156,18 +159,18 @@ class AmpBackend(abc.ABC):
 
     def master_weight_pairs(self) -> list[tuple[Tensor, Tensor]]:
         """``(model parameter, its fp32 master)`` for each parameter the optimizer steps through a master copy."""
-        ...
+        return []
 
     def current_loss_scale(self) -> float | None:
         """The scale of the next backward's loss (of the first loss scaler), or None without loss scaling.
 
         Read from what the backend already holds on the host, so asking costs no device sync.
         """
-        ...
+        return None
 
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
         """The parameters the optimizer steps, which gradient clipping must see."""
-        ...
+        return (param for group in optimizer.param_groups for param in group["params"])
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -183,12 +186,14 @@ class AmpBackend(abc.ABC):
 
 def backend_names() -> tuple[str, ...]:
     """The registered backends' names, in the order ``backend="auto"`` tries them."""
-    ...
+    return tuple(_REGISTRY)
 
 
 def backend_class(name: str) -> type[AmpBackend]:
     """The backend registered as ``name``."""
-    ...
+    module, _, attribute = _REGISTRY[name].partition(":")
+    backend: type[AmpBackend] = getattr(importlib.import_module(module), attribute)
+    return backend
 
 
 def choose_backend(
@@ -199,15 +204,34 @@ def choose_backend(
 
     Returns:
         The backend's name, its class, and why ``"auto"`` passed over the backends before it (for the one line
-        :class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision` prints on rank 0).
+        :class:`~lightning_ddp_amp.AmpPrecision` prints on rank 0).
 
     Raises:
         PrecisionConfigurationError: The backend cannot run these settings.
         ApexUnavailableError: ``requested="apex"`` and apex amp cannot be imported.
     """
-    ...
+    name, passed_over = requested, []
+    if requested == "auto":
+        for name in backend_names():
+            candidate = backend_class(name)
+            reason = candidate.unavailable(settings)
+            if reason is None and strategy is not None and device_type is not None:
+                reason = candidate.unsuited(settings, strategy, device_type)
+            if reason is None:
+                break
+            passed_over.append(reason)
+        else:
+            raise PrecisionConfigurationError(
+                "backend",
+                "auto",
+                f"no backend can run these settings ({'; '.join(passed_over)})",
+                'pass backend="native"',
+            )
+    chosen = backend_class(name)
+    chosen.check_settings(settings, requested)
+    return name, chosen, passed_over
 
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     """``data`` with every floating-point tensor in it cast to ``dtype``."""
-    ...
+    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)

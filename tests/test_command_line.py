@@ -1,4 +1,4 @@
-"""The ``lightning-ddp-amp`` command line: its subcommands, help, version and mistakes (command.py)."""
+"""The ``lightning-ddp-amp`` command line: its subcommands, help, version and mistakes (command_line.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import importlib.metadata
 import pytest
 import torch
 
-from lightning_ddp_amp import command
+from lightning_ddp_amp import command_line
 
 
 @pytest.mark.parametrize(("argv", "code"), [([], 2), (["--help"], 0), (["-h"], 0)])
 def test_no_arguments_and_help_list_every_subcommand(
     argv: list[str], code: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert command.main(argv) == code
+    assert command_line.main(argv) == code
     said = capsys.readouterr()
     text = said.out + said.err
     for name in ("env", "compare"):
@@ -26,7 +26,7 @@ def test_no_arguments_and_help_list_every_subcommand(
 def test_a_mistyped_subcommand_is_named_with_the_nearest_one_and_every_subcommand(
     typo: str, nearest: str | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert command.main([typo]) == 2
+    assert command_line.main([typo]) == 2
     error = capsys.readouterr().err
     hint = f"; did you mean {nearest!r}?" if nearest else ""
     assert error.startswith(f"lightning-ddp-amp: {typo!r} is not a command{hint}\n")
@@ -34,7 +34,7 @@ def test_a_mistyped_subcommand_is_named_with_the_nearest_one_and_every_subcomman
 
 
 def test_version_names_the_package_torch_and_lightning(capsys: pytest.CaptureFixture[str]) -> None:
-    assert command.main(["--version"]) == 0
+    assert command_line.main(["--version"]) == 0
     line = capsys.readouterr().out.strip()
     package = importlib.metadata.version("lightning-ddp-amp")
     lightning = importlib.metadata.version("lightning")
@@ -42,5 +42,5 @@ def test_version_names_the_package_torch_and_lightning(capsys: pytest.CaptureFix
 
 
 def test_the_old_launchers_local_rank_still_reaches_the_environment_report(capsys: pytest.CaptureFixture[str]) -> None:
-    command.main(["--local-rank=0", "env", "--json"])
+    command_line.main(["--local-rank=0", "env", "--json"])
     assert '"launcher"' in capsys.readouterr().out

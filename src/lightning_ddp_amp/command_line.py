@@ -38,9 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return compare.main(argv[1:])
     if first == "env" or (first is not None and first.startswith("--local")):  # torch.distributed.launch's option
-        from lightning_ddp_amp import doctor
+        from lightning_ddp_amp import env_report
 
-        return doctor.main(argv)
+        return env_report.main(argv)
     if first is None:
         print(f"lightning-ddp-amp: name a command\n{USAGE}", file=sys.stderr)
         return 2

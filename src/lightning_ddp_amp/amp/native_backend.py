@@ -39,7 +39,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_amp.amp.amp_backend import AmpBackend, ModuleSelector, cast_floats
+from lightning_ddp_amp.amp.backend import AmpBackend, ModuleSelector, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 

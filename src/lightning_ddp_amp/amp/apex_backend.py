@@ -25,8 +25,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_amp.amp.amp_backend import AmpBackend, ModuleSelector, cast_floats
 from lightning_ddp_amp.amp.apex_loader import find_amp, load_apex_module, missing_cuda
+from lightning_ddp_amp.amp.backend import AmpBackend, ModuleSelector, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 

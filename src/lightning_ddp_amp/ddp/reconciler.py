@@ -1,30 +1,27 @@
-"""What the Trainer says about the run, checked against what the launcher started: envddp's negotiation.
+"""What the Trainer says about the run, reconciled with what the launcher started.
 
 The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its own pick), its devices
 (``parallel_devices``), and, through the hook around its construction, the raw ``devices``, ``num_nodes`` and
 ``use_distributed_sampler`` (:meth:`EnvDDPStrategy.check_trainer_flags
 <lightning_ddp_amp.EnvDDPStrategy.check_trainer_flags>`). The launcher has already decided the ranks, the nodes and
-the processes per node. :class:`TrainerFlags` keeps what each side said, picks the device of every local rank, and
-refuses a Trainer argument that contradicts the launcher, and starts the ranks no launcher started
-(:meth:`TrainerFlags.start_missing_ranks`); :func:`check_precision_plugin` refuses the DDP options the
-precision plugin cannot train with. ``EnvDDPStrategy`` keeps Lightning's interface (its ``cluster_environment``,
-``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
+the processes per node. :class:`TopologyReconciler` keeps what each side said, picks the device of every local
+rank, refuses a Trainer argument that contradicts the launcher, and starts the ranks no launcher started
+(:meth:`TopologyReconciler.start_missing_ranks`). ``EnvDDPStrategy`` keeps Lightning's interface (its
+``cluster_environment``, ``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ddp_amp import _lightning
-from lightning_ddp_amp.ddp.ddp_options import DDPOptions, compression_dtype
+from lightning_ddp_amp.ddp.rank_zero import log_once
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
@@ -32,7 +29,7 @@ from lightning_ddp_amp.launch.devices import select_devices
 from lightning_ddp_amp.launch.environment import Topology, read_topology
 
 
-class TrainerFlags:
+class TopologyReconciler:
     """The cluster environment, the devices and the Trainer's flags of one strategy, reconciled with the launcher.
 
     Attributes:
@@ -270,62 +267,3 @@ def check_layer_sync(layer_sync: object | None, accelerator: Accelerator | None,
             "drop Trainer(sync_batchnorm=True) on the CPU (each rank keeps its own BatchNorm statistics), or train on"
             " GPUs",
         )
-
-
-def check_precision_plugin(
-    plugin: Precision,
-    ddp: DDPOptions,
-    comm_hook: Callable[..., Any] | None,
-    comm_wrapper: Callable[..., Any] | None,
-) -> None:
-    """Refuse DDP options that the precision plugin's half-precision model or master weights cannot train with.
-
-    Raises:
-        StrategyConfigurationError: An option set to one of envddp's deviations that fp32 master weights rule
-            out (``gradient_as_bucket_view=True`` under apex O2), or a gradient
-            compression hook on a model whose gradients are already half precision.
-    """
-    refused = ddp.refused_with_master_weights() if master_weights(plugin) else {}
-    for name, reason in refused.items():
-        value = ddp.given[name]
-        raise StrategyConfigurationError(
-            name,
-            value,
-            f"under {plugin} {reason}",
-            f"drop {name}={value!r} (envddp leaves it at torch's default under fp32 master weights), or use"
-            " opt_level='O1'",
-        )
-    half = getattr(plugin, "model_dtype", None)
-    compression = compression_dtype(comm_hook, comm_wrapper)
-    if half is not None and compression is not None:
-        name = "ddp_comm_wrapper" if comm_wrapper is not None else "ddp_comm_hook"
-        effect = (
-            "compresses nothing"
-            if compression == half
-            else f"would round them to {_dtype_name(compression)}, losing precision without saving any bytes"
-        )
-        raise StrategyConfigurationError(
-            name,
-            "fp16" if compression == torch.float16 else "bf16",
-            f"under {plugin} the model's gradients are already {_dtype_name(half)}, so the hook {effect}",
-            f"drop {name}: DDP already communicates these gradients in {_dtype_name(half)}",
-        )
-
-
-def master_weights(plugin: Precision) -> bool:
-    """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
-    return bool(getattr(plugin, "master_weights", False))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-_LOGGED: set[str] = set()
-
-
-def log_once(message: str, warn: bool = False) -> None:
-    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        (rank_zero_warn if warn else rank_zero_info)(message)

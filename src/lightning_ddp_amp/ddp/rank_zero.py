@@ -1,0 +1,14 @@
+"""What rank 0 says about envddp's decisions: once per process, however many Trainers make them."""
+
+from __future__ import annotations
+
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+_LOGGED: set[str] = set()
+
+
+def log_once(message: str, warn: bool = False) -> None:
+    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        (rank_zero_warn if warn else rank_zero_info)(message)
