@@ -199,9 +199,9 @@ MUTATIONS = (
     Mutation(
         "reduce-integer-mean-float64",
         "the mean of an integer tensor is float64, which apex O1 refuses to divide a float32 sum by",
-        "ddp/strategy.py",
-        "            return total.to(torch.get_default_dtype()) / dist.get_world_size(group)\n",
-        "            return total.to(torch.float64) / dist.get_world_size(group)\n",
+        "launch/process_group.py",
+        "    return total.to(torch.get_default_dtype()) / dist.get_world_size(group)\n",
+        "    return total.to(torch.float64) / dist.get_world_size(group)\n",
         ("tests/test_strategy.py::test_reduce_keeps_floats_in_their_dtype_and_averages_integers_in_the_default_one",),
     ),
     Mutation(
