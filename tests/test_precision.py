@@ -693,6 +693,23 @@ def test_apex_o2_of_the_whole_module_casts_the_batch(apex_double: ModuleType) ->
     assert (batch[0].dtype, batch[1].dtype) == (torch.float16, torch.int64)
 
 
+@pytest.mark.parametrize("wrapper", ["torch", "apex"])
+def test_apex_refuses_a_model_wrapped_in_ddp_before_amp_initialize(apex_double: ModuleType, wrapper: str) -> None:
+    # What a strategy that wraps first hands over: the wrapper, not the LightningModule (built without a process group).
+    import apex.parallel  # the double's, beside the apex.amp the fixture imported
+
+    ddp = torch.nn.parallel.DistributedDataParallel if wrapper == "torch" else apex.parallel.DistributedDataParallel
+    wrapped = ddp.__new__(ddp)
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = TwoModels()
+    plugin = AmpPrecision(backend="apex")
+    with pytest.raises(
+        PrecisionConfigurationError, match=r"^strategy='DistributedDataParallel': the model reached the"
+    ):
+        plugin.connect(wrapped, [torch.optim.SGD(wrapped.parameters(), lr=0.1)], [])
+    assert events(apex_double, "initialize") == []
+
+
 def test_apex_state_before_initialize_waits_for_it(apex_double: ModuleType) -> None:
     plugin = AmpPrecision(backend="apex")
     assert plugin.state_dict() == {"backend": "apex", "opt_level": "O1", "loss_scalers": []}

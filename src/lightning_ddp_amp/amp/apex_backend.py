@@ -17,16 +17,15 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.amp.apex_loader import find_amp, load_apex_module, missing_cuda
-from lightning_ddp_amp.amp.backend import AmpBackend, ModuleSelector, cast_floats
+from lightning_ddp_amp.amp.backend import AmpBackend, Placement, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 
@@ -251,48 +250,44 @@ class ApexAmp(AmpBackend):
 
     @classmethod
     @override
-    def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
+    def check_placement(cls, settings: AmpSettings, placement: Placement) -> None:
         """Refuse a device apex cannot run on, and a strategy that wraps the model in DDP before ``connect``.
 
         Raises:
             ApexUnavailableError: An accelerator other than CUDA.
             PrecisionConfigurationError: The strategy wraps the model in DDP before the precision plugin sees it.
         """
-        if not supports_device(load_apex_module("apex.amp", "backend", "apex"), device_type):
+        if not supports_device(load_apex_module("apex.amp", "backend", "apex"), placement.device_type):
             raise ApexUnavailableError(
                 "accelerator",
-                device_type,
+                placement.device_type,
                 "apex amp needs CUDA: its loss scaler and kernels run on the GPU",
                 'train on a GPU (accelerator="cuda"), or use the native backend (precision="amp-O1", which runs'
                 " on the CPU too)",
             )
-        # Asked of the strategy, not of its class: a strategy says that it connects the precision plugin first.
-        if not (
-            isinstance(strategy, SingleDeviceStrategy) or getattr(strategy, "connects_precision_before_wrap", False)
-        ):
+        if placement.wraps_before_connect:
             raise PrecisionConfigurationError(
                 "strategy",
-                getattr(strategy, "strategy_name", type(strategy).__name__),
+                placement.strategy,
                 "this strategy wraps the model in DistributedDataParallel before the precision plugin sees it, but"
                 " apex requires amp.initialize before the wrap",
                 'use strategy="envddp", which calls amp.initialize first, as the recipe did',
             )
 
     @override
-    def connect(self, model: Module, select: ModuleSelector, optimizers: list[Optimizer]) -> None:
+    def connect(self, model: Module, selected: list[Module], optimizers: list[Optimizer]) -> None:
         """``amp.initialize`` on the selected modules and the raw optimizers.
 
         Raises:
             PrecisionConfigurationError: The model arrived already wrapped.
         """
-        if not isinstance(model, LightningModule):
+        if _is_ddp_wrapper(model):
             raise PrecisionConfigurationError(
                 "strategy",
                 type(model).__name__,
                 "the model reached the precision plugin already wrapped; amp.initialize must come before the DDP wrap",
                 'use strategy="envddp"',
             )
-        selected = select(model)
         if self.opt_level == "O1":  # before amp.initialize, which a refusal must leave for the fix to use
             _keep_attention_off_the_fast_path(model)
         self.initialize(selected, optimizers)
@@ -429,3 +424,8 @@ class ApexAmp(AmpBackend):
             )
         for master, value in zip(masters, saved, strict=True):
             master.data.copy_(value)
+
+
+def _is_ddp_wrapper(model: Module) -> bool:
+    """Whether ``model`` is torch's DistributedDataParallel or apex's: wrapped before ``amp.initialize``."""
+    return isinstance(model, DistributedDataParallel) or type(model).__qualname__ == "DistributedDataParallel"

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import Strategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
@@ -32,8 +31,21 @@ _REGISTRY = {
     "native": "lightning_ddp_amp.amp.native_backend:NativeAmp",
 }
 
-#: AmpPrecision's way of choosing the modules amp acts on (``models``, ``configure_amp_models()`` or the module).
-ModuleSelector = Callable[[LightningModule], list[Module]]
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a backend is asked to train, as the precision plugin learns it from the Trainer (or Fabric).
+
+    Attributes:
+        device_type: ``"cuda"``, ``"mps"`` or ``"cpu"``.
+        strategy: The strategy's name, for messages.
+        wraps_before_connect: Whether the strategy wraps the model in DistributedDataParallel before the precision
+            plugin sees it (Lightning's ``ddp``), where apex needs ``amp.initialize`` first (envddp).
+    """
+
+    device_type: str
+    strategy: str
+    wraps_before_connect: bool
 
 
 class AmpBackend(abc.ABC):
@@ -94,26 +106,28 @@ class AmpBackend(abc.ABC):
         """Whether a dynamic loss scaler can skip a step on overflow."""
 
     @classmethod  # noqa: B027 (optional hook)
-    def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
+    def check_placement(cls, settings: AmpSettings, placement: Placement) -> None:
         """Refuse a strategy or device this backend cannot train with, when the Trainer is built (builds nothing)."""
 
     @classmethod
-    def unsuited(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> str | None:
-        """Why ``backend="auto"`` cannot choose this backend with ``strategy`` on ``device_type``; None when it can.
+    def unsuited(cls, settings: AmpSettings, placement: Placement) -> str | None:
+        """Why ``backend="auto"`` cannot choose this backend for ``placement``; None when it can.
 
-        The reason :meth:`check_trainer_setup` would refuse them for: one rule, whether it refuses or passes over.
+        The reason :meth:`check_placement` would refuse it for: one rule, whether it refuses or passes over.
         """
         try:
-            cls.check_trainer_setup(settings, strategy, device_type)
+            cls.check_placement(settings, placement)
         except LightningDDPAmpError as error:
             return f"{error.field}={error.value!r}: {error.problem}"
         return None
 
-    def convert_module(self, module: Module, select: ModuleSelector) -> None:  # noqa: B027 (optional hook)
-        """Prepare the model before the optimizers exist (``Precision.convert_module``)."""
+    def convert_module(self, module: Module, selected: list[Module]) -> None:  # noqa: B027 (optional hook)
+        """Prepare the model before the optimizers exist (``Precision.convert_module``); ``selected`` are the modules
+        amp acts on (``module`` itself by default)."""
 
-    def connect(self, model: Module, select: ModuleSelector, optimizers: list[Optimizer]) -> None:  # noqa: B027
-        """Take the model and its raw optimizers, before any DDP wrap (``Precision.connect``, with optimizers)."""
+    def connect(self, model: Module, selected: list[Module], optimizers: list[Optimizer]) -> None:  # noqa: B027
+        """Take the model and its raw optimizers, before any DDP wrap (``Precision.connect``, with optimizers);
+        ``selected`` are the modules handed to ``amp.initialize``."""
 
     def evaluate(self, model: Module) -> None:  # noqa: B027 (optional hook)
         """Get ready to evaluate ``model`` (validate, test, predict): after a fit of it in this process, as that fit
@@ -197,10 +211,10 @@ def backend_class(name: str) -> type[AmpBackend]:
 
 
 def choose_backend(
-    requested: str, settings: AmpSettings, strategy: Strategy | None = None, device_type: str | None = None
+    requested: str, settings: AmpSettings, placement: Placement | None = None
 ) -> tuple[str, type[AmpBackend], list[str]]:
     """The backend for ``backend=requested``, its settings checked: that one, or for ``"auto"`` the first that can
-    run ``settings`` (and, once the Trainer is built, train with its ``strategy`` on ``device_type``).
+    run ``settings`` (and, once the Trainer is built, train at its ``placement``).
 
     Returns:
         The backend's name, its class, and why ``"auto"`` passed over the backends before it (for the one line
@@ -215,8 +229,8 @@ def choose_backend(
         for name in backend_names():
             candidate = backend_class(name)
             reason = candidate.unavailable(settings)
-            if reason is None and strategy is not None and device_type is not None:
-                reason = candidate.unsuited(settings, strategy, device_type)
+            if reason is None and placement is not None:
+                reason = candidate.unsuited(settings, placement)
             if reason is None:
                 break
             passed_over.append(reason)

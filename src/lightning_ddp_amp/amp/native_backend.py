@@ -33,13 +33,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_amp.amp.backend import AmpBackend, ModuleSelector, cast_floats
+from lightning_ddp_amp.amp.backend import AmpBackend, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 
@@ -259,16 +258,15 @@ class NativeAmp(AmpBackend):
         return self.scaler is not None
 
     @override
-    def convert_module(self, module: Module, select: ModuleSelector) -> None:
+    def convert_module(self, module: Module, selected: list[Module]) -> None:
         """Cast the selected modules here, where apex would cast them in ``amp.initialize``."""
-        selected = select(module) if isinstance(module, LightningModule) else [module]
         self.prepare(module, selected)
 
     def prepare(self, root: Module, selected: list[Module]) -> None:
         """Cast the selected modules (O3) and their inputs and outputs, as ``amp.initialize`` patches them.
 
         Args:
-            root: The LightningModule.
+            root: The model the precision plugin was given (the LightningModule).
             selected: The modules handed to ``amp.initialize`` (``root`` itself by default).
         """
         self.release()

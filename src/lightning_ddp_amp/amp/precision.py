@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
@@ -34,7 +34,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
-from lightning_ddp_amp.amp.backend import AmpBackend, backend_names, choose_backend
+from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_models
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError, whole_number
@@ -152,13 +152,18 @@ class AmpPrecision(Precision):
                 precision plugin sees it.
         """
         self._device_type = _device_type(accelerator)
+        placement = Placement(
+            self._device_type,
+            getattr(strategy, "strategy_name", type(strategy).__name__),
+            # Asked of the strategy, not of its class: a strategy says that it connects the precision plugin first.
+            not isinstance(strategy, SingleDeviceStrategy)
+            and not getattr(strategy, "connects_precision_before_wrap", False),
+        )
         if self._requested_backend == "auto" and self._built is None:
-            self.backend, self._backend_class, self._passed_over = choose_backend(
-                "auto", self._settings, strategy, self._device_type
-            )
+            self.backend, self._backend_class, self._passed_over = choose_backend("auto", self._settings, placement)
             self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
         else:
-            self._backend_class.check_trainer_setup(self._settings, strategy, self._device_type)
+            self._backend_class.check_placement(self._settings, placement)
         if self._passed_over:
             rank_zero_info(
                 f"AmpPrecision: {'; '.join(self._passed_over)}, so opt_level {self.opt_level} runs on"
@@ -175,7 +180,7 @@ class AmpPrecision(Precision):
             self.amp_backend.evaluate(model)
             return model, optimizers, lr_schedulers
         self._check_half_steps(model, optimizers)
-        self.amp_backend.connect(model, self.amp_modules, optimizers)
+        self.amp_backend.connect(model, self._selected(model), optimizers)
         self._optimizers = list(optimizers)
         self._model = model
         if self.amp_backend.may_skip_steps:
@@ -242,6 +247,10 @@ class AmpPrecision(Precision):
             )
         return modules
 
+    def _selected(self, model: Module) -> list[Module]:
+        # A model that is not the LightningModule (a DDP wrapper, or a plain module outside a Trainer) is taken whole.
+        return self.amp_modules(model) if isinstance(model, LightningModule) else [model]
+
     def _skip_aware(self, config: LRSchedulerConfig) -> LRSchedulerConfig:
         if config.interval != "step" or not hasattr(config.scheduler, "optimizer"):
             return config
@@ -262,7 +271,7 @@ class AmpPrecision(Precision):
 
     @override
     def convert_module(self, module: Module) -> Module:
-        self.amp_backend.convert_module(module, self.amp_modules)
+        self.amp_backend.convert_module(module, self._selected(module))
         return module
 
     @override

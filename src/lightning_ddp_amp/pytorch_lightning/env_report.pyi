@@ -32,7 +32,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.pytorch_lightning.amp import native_backend
+from lightning_ddp_amp.amp import native_backend
 from lightning_ddp_amp.amp.apex_loader import APEX_INSTALL, NATIVE_ALTERNATIVES, installation
 from lightning_ddp_amp.errors import LightningDDPAmpError
 from lightning_ddp_amp.launch import process_group

@@ -18,16 +18,15 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from pytorch_lightning import LightningModule
-from pytorch_lightning.strategies import SingleDeviceStrategy, Strategy
-from pytorch_lightning.utilities import rank_zero_info
+from lightning_fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.amp.apex_loader import find_amp, load_apex_module, missing_cuda
-from lightning_ddp_amp.pytorch_lightning.amp.backend import AmpBackend, ModuleSelector, cast_floats
+from lightning_ddp_amp.amp.backend import AmpBackend, Placement, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
 
@@ -160,7 +159,7 @@ class ApexAmp(AmpBackend):
 
     @classmethod
     @override
-    def check_trainer_setup(cls, settings: AmpSettings, strategy: Strategy, device_type: str) -> None:
+    def check_placement(cls, settings: AmpSettings, placement: Placement) -> None:
         """Refuse a device apex cannot run on, and a strategy that wraps the model in DDP before ``connect``.
 
         Raises:
@@ -170,7 +169,7 @@ class ApexAmp(AmpBackend):
         ...
 
     @override
-    def connect(self, model: Module, select: ModuleSelector, optimizers: list[Optimizer]) -> None:
+    def connect(self, model: Module, selected: list[Module], optimizers: list[Optimizer]) -> None:
         """``amp.initialize`` on the selected modules and the raw optimizers.
 
         Raises:
@@ -260,3 +259,8 @@ class ApexAmp(AmpBackend):
             PrecisionConfigurationError: the checkpoint's master weights do not fit this model.
         """
         ...
+
+
+def _is_ddp_wrapper(model: Module) -> bool:
+    """Whether ``model`` is torch's DistributedDataParallel or apex's: wrapped before ``amp.initialize``."""
+    ...

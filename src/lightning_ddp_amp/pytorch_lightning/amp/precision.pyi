@@ -11,7 +11,7 @@
 
 ``precision="amp-O1"`` does the same with apex when it is importable and with torch.amp otherwise, and
 ``precision="native-O1"`` with torch.amp even where apex is installed; the table in
-:mod:`lightning_ddp_amp.pytorch_lightning.amp.native_backend` says what each level means natively.
+:mod:`lightning_ddp_amp.amp.native_backend` says what each level means natively.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from pytorch_lightning import LightningModule
 from pytorch_lightning.accelerators import Accelerator, CUDAAccelerator, MPSAccelerator
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import Strategy
+from pytorch_lightning.strategies import SingleDeviceStrategy, Strategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.types import LRSchedulerConfig
@@ -35,7 +35,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.pytorch_lightning.amp.backend import AmpBackend, backend_names, choose_backend
+from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_models
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError, whole_number
@@ -103,7 +103,7 @@ class AmpPrecision(Precision):
 
     @property
     def amp_backend(self) -> AmpBackend:
-        """The backend the hooks hand over to (:mod:`~lightning_ddp_amp.pytorch_lightning.amp.backend`): apex's or torch.amp's.
+        """The backend the hooks hand over to (:mod:`~lightning_ddp_amp.amp.backend`): apex's or torch.amp's.
 
         Built on first use, after the Trainer has told the device (``check_trainer_setup``); a plugin used alone
         guesses it.
@@ -150,6 +150,10 @@ class AmpPrecision(Precision):
             PrecisionConfigurationError: a name does not lead to a module, both sources are given, or
                 ``configure_amp_models()`` returns something other than modules.
         """
+        ...
+
+    def _selected(self, model: Module) -> list[Module]:
+        # A model that is not the LightningModule (a DDP wrapper, or a plain module outside a Trainer) is taken whole.
         ...
 
     def _skip_aware(self, config: LRSchedulerConfig) -> LRSchedulerConfig:
