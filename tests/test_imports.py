@@ -411,3 +411,21 @@ def test_a_public_name_imports_from_the_path_the_docs_show(module: str, name: st
     imported = importlib.import_module(module)
     assert name in getattr(imported, "__all__", [name]), f"{module}.__all__ lacks {name}"
     assert getattr(imported, name).__name__ == name
+
+
+#: The most lines a module holds before a second concept has moved in (Lightning's ddp.py and amp.py are a few
+#: hundred each), and the most the strategy class holds: a handful of Lightning's named steps, each short.
+MAX_MODULE_LINES = 600
+MAX_STRATEGY_LINES = 450
+
+
+def test_no_module_grows_past_one_concept() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these modules by concept: {long}"
+
+
+def test_the_strategy_class_stays_a_handful_of_lightnings_steps() -> None:
+    tree = ast.parse(MODULES[f"{PACKAGE}.ddp.strategy"].read_text())
+    (strategy,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EnvDDPStrategy"]
+    assert strategy.end_lineno is not None
+    assert strategy.end_lineno - strategy.lineno + 1 <= MAX_STRATEGY_LINES
