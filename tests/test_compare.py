@@ -29,12 +29,13 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 import lightning_ddp_amp
 from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfigurationError, compare
+from lightning_ddp_amp.compare import patching as compare_patching
 from lightning_ddp_amp.compare import picture as compare_picture
-from lightning_ddp_amp.compare import recorder as compare_recorder
+from lightning_ddp_amp.compare import recording as compare_recording
 from lightning_ddp_amp.compare import report as compare_report
 from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, PLAN_VARIABLE
 from lightning_ddp_amp.compare.report import Candidate
+from lightning_ddp_amp.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
 
 REPO = Path(__file__).parent.parent
 SCRIPT = str(WORKERS / "compare_train.py")
@@ -149,7 +150,7 @@ def test_a_candidate_apart_exits_1_and_names_the_first_step_it_left_the_toleranc
 
 
 def test_each_record_holds_the_hash_of_the_first_batch_its_run_trained(learning_rates: LearningRates) -> None:
-    # The recorder's side of the first-batch check (the report's side: a hand-edited record, below). The script's
+    # The recording's side of the first-batch check (the report's side: a hand-edited record, below). The script's
     # loader does not shuffle: the first batch is the dataset's first 8 (x, y, index) triples.
     sys.path.insert(0, str(WORKERS))
     try:
@@ -166,7 +167,7 @@ def test_each_record_holds_the_hash_of_the_first_batch_its_run_trained(learning_
 
 
 def test_each_record_holds_the_hash_of_the_weights_its_run_started_from(learning_rates: LearningRates) -> None:
-    # The recorder's side of the same-start check (the report's side: a hand-edited record, below): the model as the
+    # The recording's side of the same-start check (the report's side: a hand-edited record, below): the model as the
     # script builds it, seeded; unseeded, it would be another model.
     sys.path.insert(0, str(WORKERS))
     try:
@@ -1073,10 +1074,10 @@ def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callab
             raise AssertionError("the remote logger was called")
 
     given: dict[str, Any] = {"logger": [pl.loggers.CSVLogger("script_logs", name="mine"), Remote()]}
-    changes = compare_recorder.Changes()
-    plan = compare_recorder.Plan("c", "32-true", 5, str(tmp_path))
-    defaults = compare_recorder._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
-    compare_recorder._replace_arguments(given, defaults, plan, changes, pl)
+    changes = compare_recording.Changes()
+    plan = Plan("c", "32-true", 5, str(tmp_path))
+    defaults = compare_patching._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
+    compare_patching._replace_arguments(given, defaults, plan, changes, pl)
     csv, dummy = given["logger"]
     assert (csv.save_dir, csv.name) == (str(tmp_path / "logs"), "mine")
     assert changes.turned_off == ["Remote"]
@@ -1093,7 +1094,7 @@ def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monke
     monkeypatch.setenv("PL_MYTRAINER_MAX_STEPS", "9")
     monkeypatch.setenv("PL_TRAINER_DEFAULT_ROOT_DIR", "")  # empty: Lightning ignores it
     for trainer_class, max_steps in ((pl.Trainer, 7), (MyTrainer, 9)):
-        defaults = compare_recorder._trainer_defaults(trainer_class, inspect.signature(trainer_class.__init__), pl)
+        defaults = compare_patching._trainer_defaults(trainer_class, inspect.signature(trainer_class.__init__), pl)
         built = trainer_class(logger=False, enable_checkpointing=False)
         assert defaults["max_steps"] == built.max_steps == max_steps
         assert defaults["default_root_dir"] is None
@@ -1101,9 +1102,9 @@ def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monke
 
 
 def test_a_script_amp_precision_a_level_refuses_keeps_only_models_and_num_losses() -> None:
-    changes = compare_recorder.Changes()
+    changes = compare_recording.Changes()
     configured = AmpPrecision(opt_level="O2", backend="native", keep_batchnorm_fp32=True, num_losses=2)
-    built = compare_recorder._amp_plugin(pl, "O1", "native", configured, changes)
+    built = compare_patching._amp_plugin(pl, "O1", "native", configured, changes)
     assert (built.opt_level, built.num_losses, built.keep_batchnorm_fp32) == ("O1", 2, None)
     assert changes.replaced[0].startswith("kept only models and num_losses of the script's AmpPrecision (")
 
@@ -1120,7 +1121,7 @@ def test_an_error_other_than_a_precision_setting_refused_is_not_retried(monkeypa
     monkeypatch.setattr(lightning_ddp_amp, "AmpPrecision", Broken)
     configured = AmpPrecision(opt_level="O1", backend="native")
     with pytest.raises(RuntimeError, match="broken"):
-        compare_recorder._amp_plugin(pl, "O2", "native", configured, compare_recorder.Changes())
+        compare_patching._amp_plugin(pl, "O2", "native", configured, compare_recording.Changes())
 
 
 class RestoresAfterSetup(SingleDeviceStrategy):
@@ -1136,8 +1137,8 @@ def test_a_strategy_that_restores_checkpoints_after_its_setup_is_refused_when_th
 ) -> None:
     for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
         monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
-    compare_recorder.Plan("c", "32-true", 5, str(tmp_path)).write(tmp_path / "plan.json")
-    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    Plan("c", "32-true", 5, str(tmp_path)).write(tmp_path / "plan.json")
+    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     pl.Trainer(strategy=SingleDeviceStrategy("cpu"), logger=False)
     with pytest.raises(StrategyConfigurationError) as raised:
         pl.Trainer(strategy=RestoresAfterSetup("cpu"), logger=False)
@@ -1150,10 +1151,10 @@ def test_a_strategy_that_restores_checkpoints_after_its_setup_is_refused_when_th
 
 
 def test_lightnings_strategies_that_restore_after_setup_are_refused_and_the_others_pass() -> None:
-    compare_recorder.check_restores_before_setup(pl.strategies.DDPStrategy())
-    compare_recorder.check_restores_before_setup(EnvDDPStrategy())
+    compare_patching.check_restores_before_setup(pl.strategies.DDPStrategy())
+    compare_patching.check_restores_before_setup(EnvDDPStrategy())
     with pytest.raises(StrategyConfigurationError, match=r"^strategy='FSDPStrategy': "):
-        compare_recorder.check_restores_before_setup(pl.strategies.FSDPStrategy())
+        compare_patching.check_restores_before_setup(pl.strategies.FSDPStrategy())
 
 
 @needs_cpu_fp16
@@ -1162,7 +1163,7 @@ def test_the_final_weights_of_apex_o2_are_its_fp32_masters(apex_double: ModuleTy
 
     trainer = fit(TwoModels(), precision="apex-O2")
     plugin, module = trainer.precision_plugin, trainer.lightning_module
-    weights = compare_recorder._trained_weights(module, plugin)
+    weights = compare_recording._trained_weights(module, plugin)
     masters = {id(param): master for param, master in plugin.amp_backend.master_weight_pairs()}
     assert masters and all(param.dtype == torch.float16 for name, param in module.named_parameters())
     for name, param in module.named_parameters():
@@ -1175,15 +1176,15 @@ def test_a_scaler_not_yet_used_reads_its_initial_scale_so_an_overflow_at_the_fir
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    before = compare_recorder._loss_scale(plugin)  # what the recorder reads before the first backward
+    before = compare_recording._loss_scale(plugin)  # what the recording reads before the first backward
     weight = torch.nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([weight], lr=1.0)
     plugin.scaler.scale((weight * float("inf")).sum()).backward()
     plugin.scaler.step(optimizer)
     plugin.scaler.update()
-    after = compare_recorder._loss_scale(plugin)
+    after = compare_recording._loss_scale(plugin)
     assert isinstance(before, torch.Tensor) and float(before) == 1024.0
-    assert isinstance(after, torch.Tensor) and bool(after < before)  # the recorder's skip: the scaler backed off
+    assert isinstance(after, torch.Tensor) and bool(after < before)  # the recording's skip: the scaler backed off
     assert torch.equal(weight.detach(), torch.ones(1))
 
 
@@ -1197,13 +1198,13 @@ def test_a_later_trainers_test_joins_the_first_fits_record_and_a_second_fit_reco
         sys.path.remove(str(WORKERS))
     for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
         monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
-    compare_recorder.Plan("c", "32-true", 6, str(tmp_path)).write(tmp_path / "plan.json")
-    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    Plan("c", "32-true", 6, str(tmp_path)).write(tmp_path / "plan.json")
+    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
     model, loader = build(0.1)
     test_loader = torch.utils.data.DataLoader(list(loader.dataset)[:16], batch_size=8)
     pl.Trainer(max_epochs=50, default_root_dir=tmp_path, **quiet).fit(model, loader)
-    record = tmp_path / compare_recorder.RECORD_FILE
+    record = tmp_path / RECORD_FILE
     fitted = json.loads(record.read_text())
     final = (tmp_path / FINAL_WEIGHTS).read_bytes()
     tested = pl.Trainer(devices=1, default_root_dir=tmp_path, **quiet).test(model, test_loader)  # Lightning's advice
@@ -1237,18 +1238,18 @@ def test_snapshots_are_taken_at_the_first_batch_past_them_when_the_step_goes_up_
 ) -> None:
     for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
         monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
-    plan = compare_recorder.Plan(  # the baseline: it keeps its weights at each snapshot
+    plan = Plan(  # the baseline: it keeps its weights at each snapshot
         "c", "32-true", 6, str(tmp_path), save_start=True, snapshots=(3, 5), baseline_directory=str(tmp_path)
     )
     plan.write(tmp_path / "plan.json")
-    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
     quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
     pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet).fit(TwoOptimizers(), loader)
     saved = sorted(path.name for path in tmp_path.glob("weights-step*.pt"))
-    assert saved == [compare_recorder.snapshot_file(4), compare_recorder.snapshot_file(6)]
-    rank = json.loads((tmp_path / compare_recorder.RECORD_FILE).read_text())["ranks"][0]
+    assert saved == [snapshot_file(4), snapshot_file(6)]
+    rank = json.loads((tmp_path / RECORD_FILE).read_text())["ranks"][0]
     assert rank["slowed_steps"] == [4, 6] and rank["step"][-1] == 5
 
 

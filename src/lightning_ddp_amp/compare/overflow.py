@@ -14,7 +14,7 @@ ran into the top of the range). The re-run changes nothing of the training: it r
 (not the DDP wrapper, so no collective), takes gradients with ``torch.autograd.grad`` (so no ``.grad`` is touched),
 turns ``self.log`` off, and puts the buffers (batchnorm statistics) and the random state back afterwards.
 
-It costs nothing until a step overflows: the recorder only compares the step's gradient norm, which it computes
+It costs nothing until a step overflows: the recording only compares the step's gradient norm, which it computes
 anyway, with infinity. A step whose batch is one of several accumulated is re-run on its last batch only.
 """
 

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp_amp.compare.recorder import timed_steps
+from lightning_ddp_amp.compare.recording import timed_steps
 
 #: The panels, in order: title, and the series key each plots (``metrics``: every validation and test metric).
 PANELS = (

@@ -37,15 +37,9 @@ from typing import Any
 import torch
 
 from lightning_ddp_amp.amp import apex_loader
-from lightning_ddp_amp.compare import picture
-from lightning_ddp_amp.compare.recorder import (
-    FINAL_WEIGHTS,
-    RECORD_FILE,
-    START_WEIGHTS,
-    partial_file,
-    timed_steps,
-    weight_distance,
-)
+from lightning_ddp_amp.compare import picture, run_folder
+from lightning_ddp_amp.compare.recording import timed_steps, weight_distance
+from lightning_ddp_amp.compare.run_folder import ERRORS, FINAL_WEIGHTS, START_WEIGHTS
 from lightning_ddp_amp.versions import installed
 
 #: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
@@ -140,16 +134,8 @@ class Candidate:
     def record(self) -> dict[str, Any] | None:
         """The run's ``record.json``, read once the run has ended."""
         if self._record is None:
-            path = self.directory / RECORD_FILE
-            self._record = json.loads(path.read_text()) if path.is_file() else None
+            self._record = run_folder.read_record(self.directory)
         return self._record
-
-    def partial(self) -> list[dict[str, Any]]:
-        """What the ranks of a crashed run wrote of their steps (each rank's own ``record``), rank by rank."""
-        ranks = []
-        for path in sorted(self.directory.glob(partial_file("*"))):
-            ranks += json.loads(path.read_text())["ranks"]
-        return sorted(ranks, key=lambda rank: rank["rank"])
 
     def failure(self) -> str | None:
         """Why the run failed, preferring the error a rank raised; None when it finished with a record.
@@ -160,9 +146,7 @@ class Candidate:
             return self.error
         if not self.returncode and self.record() is not None:
             return None
-        errors = sorted(
-            (self.directory / "errors").glob("*.json"), key=lambda p: (not p.name.startswith("rank"), p.name)
-        )
+        errors = sorted((self.directory / ERRORS).glob("*.json"), key=lambda p: (not p.name.startswith("rank"), p.name))
         if errors:
             error = json.loads(errors[0].read_text())
             where = f"on rank {error['rank']}" if error["rank"] is not None else "in the script"
@@ -289,7 +273,7 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
     }
     if record is None:  # a crash keeps the steps taken before it: the fit's record when it came after the fit
         finished = candidate.record()
-        ranks = finished["ranks"] if finished is not None else candidate.partial()  # else each rank's own
+        ranks = finished["ranks"] if finished is not None else run_folder.read_partial(candidate.directory)
         if ranks:
             entry["series"] = _series(ranks)
             entry["overflows"] = _overflows(ranks)
