@@ -151,8 +151,8 @@ MUTATIONS = (
         "compare-apart-exits-0",
         "compare exits 0 when a candidate is apart and none failed",
         "compare/report.py",
-        '    return 1 if statuses & {"apart", "failed"} else 0\n',
-        '    return 1 if "failed" in statuses else 0\n',
+        "    return 1 if statuses & {APART, FAILED} else 0\n",
+        "    return 1 if FAILED in statuses else 0\n",
         ("tests/test_compare.py::test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1",),
     ),
     Mutation(

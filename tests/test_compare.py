@@ -16,13 +16,16 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
+from copy import deepcopy
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, UnionType
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import typing_extensions
 from conftest import CPU_FP16_MISSING, DOUBLES, WORKERS, needs_cpu_fp16, worker_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -33,8 +36,9 @@ from lightning_ddp_amp.compare import patching as compare_patching
 from lightning_ddp_amp.compare import picture as compare_picture
 from lightning_ddp_amp.compare import recording as compare_recording
 from lightning_ddp_amp.compare import report as compare_report
+from lightning_ddp_amp.compare import schema as compare_schema
 from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.report import Candidate
+from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
 from lightning_ddp_amp.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
 
 REPO = Path(__file__).parent.parent
@@ -200,7 +204,7 @@ def test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1(
         )
         for name in ("32-true", "32-true#3")
     ]
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert [entry["status"] for entry in report["candidates"]] == ["baseline", "apart"]
     assert report["problem"] is None
     assert compare_report.write(report, tmp_path) == 1  # compare's exit status
@@ -444,17 +448,15 @@ def test_the_report_sets_each_metrics_last_value_beside_the_baselines_and_metric
         Candidate(e["name"], e["precision"], e["command"], Path(e["directory"]), returncode=0, role=e["role"])
         for e in (base, native)
     ]
-    tight = compare_report.Metric("test_loss", difference * 0.99)
-    apart = compare_report.build(runs, compare_report.Tolerance(1, 1), steps=STEPS, argv=[], metrics=[tight])
+    tight = Metric("test_loss", difference * 0.99)
+    apart = compare_report.build(runs, Tolerance(1, 1), steps=STEPS, argv=[], metrics=[tight])
     assert apart["candidates"][1]["status"] == "apart"
     assert (
         f"test_loss {native['summary']['metrics']['test_loss']['value']:.6g} against the baseline's"
         in (apart["candidates"][1]["reason"])
     )
-    loose = compare_report.Metric(
-        "test_loss", None, 1.01 * difference / abs(base["summary"]["metrics"]["test_loss"]["value"])
-    )
-    close = compare_report.build(runs, compare_report.Tolerance(1, 1), steps=STEPS, argv=[], metrics=[loose])
+    loose = Metric("test_loss", None, 1.01 * difference / abs(base["summary"]["metrics"]["test_loss"]["value"]))
+    close = compare_report.build(runs, Tolerance(1, 1), steps=STEPS, argv=[], metrics=[loose])
     assert close["candidates"][1]["status"] == "close"
 
 
@@ -490,8 +492,8 @@ def test_a_metric_the_baseline_never_logged_is_a_problem_naming_those_it_did(
     base = candidate(overflows.report, "32-true")
     runs = [Candidate("32-true", "32-true", ["python"], Path(base["directory"]), returncode=0)]
     runs.append(Candidate("again", "32-true", ["python"], Path(base["directory"]), returncode=0))
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[], metrics=[
-        compare_report.Metric("val_acc")
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[], metrics=[
+        Metric("val_acc")
     ])  # fmt: skip
     assert report["problem"] == (
         "--metric='val_acc': the baseline logged no such metric in validation or test (it logged: test_loss, val_loss,"
@@ -547,7 +549,7 @@ def falling(overflows: Overflows, root: Path) -> list[Candidate]:
 def test_a_loss_scale_that_keeps_falling_is_called_a_model_problem_naming_the_module_and_the_fixes(
     overflows: Overflows, tmp_path: Path
 ) -> None:
-    report = compare_report.build(falling(overflows, tmp_path), compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(falling(overflows, tmp_path), Tolerance(), steps=STEPS, argv=[])
     entry = report["candidates"][1]
     assert entry["status"] == "apart"
     trend = entry["summary"]["scale_trend"]
@@ -650,8 +652,8 @@ def test_the_terminal_report_fits_100_columns_with_four_candidates_and_a_noise_f
         runs.insert(1 + index, Candidate(name, entry["precision"], [], tmp_path / name, returncode=0, role=role))
     (tmp_path / "crashed").mkdir()
     runs.append(Candidate("crashed", "native-O1", [], tmp_path / "crashed", returncode=1))
-    built = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[], metrics=[
-        compare_report.Metric("val_within", 0.001)
+    built = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[], metrics=[
+        Metric("val_within", 0.001)
     ])  # fmt: skip
     assert [e["role"] for e in built["candidates"]].count("candidate") == 4
     lines = terminal.render(built).splitlines()
@@ -661,6 +663,30 @@ def test_the_terminal_report_fits_100_columns_with_four_candidates_and_a_noise_f
 def test_the_overflows_noise_floor_and_metrics_follow_the_documented_schema(overflows: Overflows) -> None:
     assert_matches(overflows.report, SCHEMA)
     assert overflows.report["hardware"].startswith(("CPU ", "NVIDIA", "AMD"))
+
+
+def test_the_typed_shapes_of_compare_json_have_the_documented_schemas_keys_and_enums() -> None:
+    # Every TypedDict and every Literal of compare/schema.py is reached from the report's, at its place in the schema.
+    typed_dicts, literals = set(), set()
+    assert disagreements(compare_schema.Report, SCHEMA, "compare.json", typed_dicts, literals) == []
+    assert typed_dicts == {v for v in vars(compare_schema).values() if typing_extensions.is_typeddict(v)}
+    assert literals == {v for v in vars(compare_schema).values() if typing.get_origin(v) is typing.Literal}
+
+
+@pytest.mark.parametrize(
+    ("change", "found"),
+    [
+        (lambda summary: summary["properties"].update(median=summary["properties"]["final_loss"]), "keys"),
+        (lambda summary: summary["required"].remove("final_loss"), "required"),
+        (lambda summary: summary["properties"]["step_time_call"]["enum"].remove("below"), "enum"),
+        (lambda summary: summary["properties"]["final_loss"].update(type="string"), "type"),
+    ],
+)
+def test_a_key_an_enum_value_or_a_type_on_one_side_only_is_a_disagreement(change: Any, found: str) -> None:
+    schema = deepcopy(SCHEMA)
+    change(schema["properties"]["candidates"]["items"]["properties"]["summary"])
+    (said,) = disagreements(compare_schema.Report, schema, "compare.json", set(), set())
+    assert said.startswith("compare.json.candidates[].summary") and f" {found} " in said, said
 
 
 @pytest.mark.multiprocess
@@ -859,7 +885,7 @@ def test_a_failed_baseline_leaves_nothing_to_compare(learning_rates: LearningRat
         Candidate("broken", "apex-O1", ["python", "t.py"], tmp_path / "1-broken", returncode=1),
         Candidate("ok", "32-true", ["python", "t.py"], tmp_path / "2-ok", returncode=0),
     ]
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert report["problem"] == "the baseline broken failed, so there is nothing to compare against"
     assert [(e["status"], e["reason"]) for e in report["candidates"]] == [
         ("failed", "the command exited with status 1 (its output is above)"),
@@ -909,7 +935,7 @@ def test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_th
     record = json.loads(path.read_text())
     change(record)
     path.write_text(json.dumps(record))
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert report["problem"] == problem
     assert [entry["status"] for entry in report["candidates"]] == ["not compared", "not compared"]
     assert all(entry["summary"] is None for entry in report["candidates"])
@@ -940,7 +966,7 @@ def test_a_first_step_apart_right_after_a_skip_in_one_run_says_so_and_names_the_
         rank["loss"] = rank["loss"][:4] + [loss * 1.5 for loss in rank["loss"][4:]]
 
     edit_record(runs[1], skip_step_3)
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     other = report["candidates"][1]
     assert other["status"] == "apart" and other["summary"]["first_step_apart"] == 4
     assert other["summary"]["explanation"] == (
@@ -952,7 +978,7 @@ def test_a_first_step_apart_right_after_a_skip_in_one_run_says_so_and_names_the_
     # A skip in both runs explains nothing.
     edit_record(runs[0], lambda rank: rank["skipped"].__setitem__(3, True))
     again = [Candidate(run.name, run.precision, run.command, run.directory, returncode=0) for run in runs]
-    summary = compare_report.build(again, compare_report.Tolerance(), steps=STEPS, argv=[])["candidates"][1]["summary"]
+    summary = compare_report.build(again, Tolerance(), steps=STEPS, argv=[])["candidates"][1]["summary"]
     assert summary["first_step_apart"] == 4 and summary["explanation"] is None
 
 
@@ -970,7 +996,7 @@ def test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both(
     final: float | None, distance: float, status: str
 ) -> None:
     summary = {"final_loss_relative_difference": final, "weight_distance": distance}
-    assert compare_report._verdict(summary, compare_report.Tolerance(loss=0.02, weights=0.05))[0] == status
+    assert compare_report._verdict(summary, Tolerance(loss=0.02, weights=0.05))[0] == status
 
 
 def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
@@ -978,7 +1004,7 @@ def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
 ) -> None:
     runs = recorded_copies(learning_rates, tmp_path)
     (runs[1].directory / "record.json").unlink()
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert candidate(report, "other")["reason"] == (
         "the command finished without a record: it never completed a Trainer.fit of lightning or pytorch_lightning,"
         " or its Python ignored PYTHONPATH (python -E or -I)"
@@ -990,7 +1016,7 @@ def test_a_run_that_fails_after_its_fit_keeps_the_fits_steps_and_evaluations(
 ) -> None:
     base, other = recorded_copies(learning_rates, tmp_path)
     failed = Candidate("other", "32-true", other.command, other.directory, returncode=1)  # e.g. its trainer.test raised
-    report = compare_report.build([base, failed], compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build([base, failed], Tolerance(), steps=STEPS, argv=[])
     entry, baseline = candidate(report, "other"), candidate(report, "base")
     assert entry["status"] == "failed" and entry["reason"].startswith("the command exited with status 1")
     assert entry["series"]["loss"] == baseline["series"]["loss"] and len(entry["series"]["step"]) == STEPS
@@ -1261,8 +1287,52 @@ def test_a_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:
     assert result.stdout.split() == ["True", "_record_uncaught"], result.stderr[-2000:]
 
 
+def disagreements(
+    hint: Any, schema: dict[str, Any], where: str, typed_dicts: set[Any], literals: set[Any]
+) -> list[str]:
+    """Where the type ``hint`` and the JSON schema ``schema`` disagree: a TypedDict's keys and required keys against
+    the object's ``properties`` and ``required``, a Literal's values against the ``enum``, a plain type against the
+    ``type``; lists and mappings item by item. Records each TypedDict and Literal it reached."""
+    union = typing.get_origin(hint) in (typing.Union, UnionType)
+    nullable = union and type(None) in typing.get_args(hint)
+    if union:
+        (hint,) = [each for each in typing.get_args(hint) if each is not type(None)]  # every union here is X | None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        literals.add(hint)
+        values = {*args, *([None] if nullable else [])}
+        return (
+            [] if values == set(schema.get("enum", ())) else [f"{where}: the enum {schema.get('enum')} is not {values}"]
+        )
+    if "enum" in schema:
+        return [f"{where}: the enum {schema['enum']} is not a Literal"]
+    kinds = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+    kind = "object" if typing_extensions.is_typeddict(hint) else kinds[origin or hint]
+    allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    integer_as_number = kind == "integer" and "number" in allowed
+    if (kind not in allowed and not integer_as_number) or (nullable and "null" not in allowed):
+        return [f"{where}: the type {allowed} is not {kind}{' or null' if nullable else ''}"]
+    if origin is list:
+        return disagreements(args[0], schema["items"], f"{where}[]", typed_dicts, literals)
+    if origin is dict:
+        return disagreements(args[1], schema["additionalProperties"], f"{where}.*", typed_dicts, literals)
+    if kind != "object":
+        return []
+    typed_dicts.add(hint)
+    keys, properties = typing.get_type_hints(hint), schema.get("properties", {})
+    found = []
+    if keys.keys() != properties.keys():
+        found.append(f"{where}: keys {sorted(keys.keys() ^ properties.keys())} are on one side only")
+    if hint.__required_keys__ != set(schema.get("required", ())):
+        found.append(f"{where}: required {sorted(hint.__required_keys__ ^ set(schema.get('required', ())))} differ")
+    for key in keys.keys() & properties.keys():
+        found += disagreements(keys[key], properties[key], f"{where}.{key}", typed_dicts, literals)
+    return found
+
+
 def assert_matches(value: Any, schema: dict[str, Any], where: str = "compare.json") -> None:
-    """A small JSON Schema check (type, enum, required, properties, items): enough for docs/compare.schema.json."""
+    """A small JSON Schema check (type, enum, required, properties, additionalProperties, items): enough for
+    docs/compare.schema.json."""
     types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
     if "enum" in schema:
         assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
@@ -1283,6 +1353,9 @@ def assert_matches(value: Any, schema: dict[str, Any], where: str = "compare.jso
         for key, sub in schema.get("properties", {}).items():
             if key in value:
                 assert_matches(value[key], sub, f"{where}.{key}")
+        for key in value.keys() - schema.get("properties", {}).keys():
+            if "additionalProperties" in schema:
+                assert_matches(value[key], schema["additionalProperties"], f"{where}.{key}")
     elif isinstance(value, list) and "items" in schema:
         for index, item in enumerate(value):
             assert_matches(item, schema["items"], f"{where}[{index}]")

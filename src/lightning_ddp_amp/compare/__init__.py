@@ -43,6 +43,7 @@ from lightning_ddp_amp.compare import report as compare_report
 from lightning_ddp_amp.compare import terminal
 from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
 from lightning_ddp_amp.compare.run_folder import OUTPUT_FILES, PLAN_FILE, PLAN_VARIABLE, Plan
+from lightning_ddp_amp.compare.schema import BASELINE, CANDIDATE, NOISE_FLOOR, Role
 from lightning_ddp_amp.errors import CheckpointError
 from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG
 
@@ -190,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"compare [{index + 1}/{len(candidates)}] {candidate.name}: {shlex.join(candidate.command)}", flush=True)
         plan = Plan(
             candidate.name, candidate.precision, args.steps, str(candidate.directory), ckpt, index == 0, first_step,
-            snapshots, str(candidates[0].directory), perturb=candidate.role == "noise floor",
+            snapshots, str(candidates[0].directory), perturb=candidate.role == NOISE_FLOOR,
         )  # fmt: skip
         candidate.returncode = _run(candidate, plan)
         if index == 0 and compare_report.missing_metric(candidate, args.metric):
@@ -256,16 +257,14 @@ def _candidates(
     runs = [
         (precision, commands[index] if len(commands) > 1 else commands[0]) for index, precision in enumerate(precisions)
     ]
-    roles = ["baseline"] + ["candidate"] * (len(runs) - 1)
+    roles: list[Role] = [BASELINE, *[CANDIDATE] * (len(runs) - 1)]
     if noise_floor:
         runs.insert(1, runs[0])
-        roles.insert(1, "noise floor")
+        roles.insert(1, NOISE_FLOOR)
     candidates: list[Candidate] = []
     for index, ((precision, command), role) in enumerate(zip(runs, roles, strict=True)):
-        repeat = [c.precision for c in candidates if c.role != "noise floor"].count(precision)
-        name = (
-            f"{precision}~noise" if role == "noise floor" else precision if not repeat else f"{precision}#{repeat + 1}"
-        )
+        repeat = [c.precision for c in candidates if c.role != NOISE_FLOOR].count(precision)
+        name = f"{precision}~noise" if role == NOISE_FLOOR else precision if not repeat else f"{precision}#{repeat + 1}"
         folder = out / f"{index + 1}-{re.sub(r'[^A-Za-z0-9._~-]+', '_', name)}"
         candidates.append(Candidate(name=name, precision=precision, command=command, directory=folder, role=role))
     return candidates

@@ -29,7 +29,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,15 @@ from torch import Tensor
 
 from lightning_ddp_amp.compare import overflow, run_folder
 from lightning_ddp_amp.compare.run_folder import FINAL_WEIGHTS, START_WEIGHTS, Plan, partial_file, snapshot_file
+from lightning_ddp_amp.compare.schema import (
+    CUDA_MAX_MEMORY_ALLOCATED,
+    PROCESS_MAX_RSS,
+    TEST,
+    VALIDATE,
+    Evaluation,
+    Series,
+    Stage,
+)
 
 
 @dataclasses.dataclass
@@ -114,7 +123,7 @@ class Recording:
         self._snapshot_steps: list[int] = []  # the global steps the weights were measured at
         self._snapshots_reached: list[int] = []  # the plan's snapshots those measurements stand for
         self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
-        self._evaluations: list[dict[str, Any]] = []
+        self._evaluations: list[Evaluation] = []
         self._document: dict[str, Any] | None = None
 
     # -- hooks -------------------------------------------------------------------------------------------------------
@@ -258,12 +267,12 @@ class Recording:
         self._distances.append((done, weight_distance(weights, base, self._baseline_start)))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._evaluated(trainer, "validate")
+        self._evaluated(trainer, VALIDATE)
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
-        self._evaluated(trainer, "test")
+        self._evaluated(trainer, TEST)
 
-    def _evaluated(self, trainer: Any, stage: str) -> None:
+    def _evaluated(self, trainer: Any, stage: Stage) -> None:
         """Keep what the script logged in this validation or test run, as rank 0 holds it (what loggers write)."""
         if trainer.sanity_checking or trainer.global_rank != 0:
             return
@@ -273,7 +282,7 @@ class Recording:
         step = int(trainer.global_step) if owner is self or owner.final_step is None else owner.final_step
         owner.add_evaluation({"stage": stage, "step": step, "metrics": metrics})
 
-    def add_evaluation(self, evaluation: dict[str, Any]) -> None:
+    def add_evaluation(self, evaluation: Evaluation) -> None:
         """Keep a validation or test run's metrics; after fit the record is rewritten with them."""
         self._evaluations.append(evaluation)
         if self._document is not None:
@@ -360,14 +369,14 @@ class Recording:
             "lr": self._lr,
             "step_time_s": times,
             "peak_memory_bytes": peak,
-            "peak_memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "process_max_rss",
+            "peak_memory_kind": CUDA_MAX_MEMORY_ALLOCATED if device.type == "cuda" else PROCESS_MAX_RSS,
             "overflows": self._overflows,
             # The step after each snapshot: the other ranks wait in it for rank 0, which saved or read weights.
             "slowed_steps": list(self._snapshot_steps),
         }
 
 
-def timed_steps(series: dict[str, Any]) -> list[tuple[int, float | None]]:
+def timed_steps(series: Series) -> list[tuple[int, float | None]]:
     """``(step, step time)`` without the first step (warm-up) and the steps slowed by rank 0 measuring weight
     distances: what the step-time statistics and the picture use."""
     slowed = set(series["slowed_steps"])
@@ -376,7 +385,10 @@ def timed_steps(series: dict[str, Any]) -> list[tuple[int, float | None]]:
 
 
 def weight_distance(
-    weights: Mapping[str, Tensor], base: Mapping[str, Tensor], start: Mapping[str, Tensor], names: Any = None
+    weights: Mapping[str, Tensor],
+    base: Mapping[str, Tensor],
+    start: Mapping[str, Tensor],
+    names: Iterable[str] | None = None,
 ) -> float | None:
     """``‖w - w_baseline‖ / ‖w_baseline - w_start‖`` over ``names`` (default: all); None when none are shared."""
     names = [name for name in (weights if names is None else names) if name in base and name in start]

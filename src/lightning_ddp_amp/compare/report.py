@@ -32,7 +32,7 @@ import re
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,14 +40,46 @@ from lightning_ddp_amp.amp import apex_loader
 from lightning_ddp_amp.compare import picture, run_folder
 from lightning_ddp_amp.compare.recording import timed_steps, weight_distance
 from lightning_ddp_amp.compare.run_folder import ERRORS, FINAL_WEIGHTS, START_WEIGHTS
+from lightning_ddp_amp.compare.schema import (
+    ABOVE,
+    APART,
+    BASELINE,
+    BELOW,
+    CANDIDATE,
+    CLOSE,
+    FAILED,
+    IDENTICAL,
+    NOISE_FLOOR,
+    NOT_COMPARED,
+    SCHEMA,
+    WITHIN_THE_SPREAD,
+    Apex,
+    Call,
+    CandidateEntry,
+    Evaluation,
+    MetricSummary,
+    NoiseFloor,
+    Overflow,
+    Report,
+    Role,
+    ScaleTrend,
+    Series,
+    Spread,
+    Stage,
+    Status,
+    StepTimes,
+    SubmoduleDistance,
+    Summary,
+    Versions,
+)
 from lightning_ddp_amp.versions import installed
 
-#: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
-SCHEMA = "lightning-ddp-amp/compare/1"
 JSON_FILE = "compare.json"
 PNG_FILE = "compare.png"
 #: A loss scale below this means the model overflows fp16 with its loss unscaled: not a rounding question.
 MODEL_PROBLEM_SCALE = 1.0
+#: The fewest timed steps (the first and the snapshot-slowed left out) whose quartiles make a step-time spread.
+MIN_TIMED_STEPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +150,7 @@ class Metric:
 class Candidate:
     """One precision's run: what ran, and how it ended.
 
-    ``role`` is ``"baseline"``, ``"candidate"`` or ``"noise floor"`` (the baseline's second run, ``--noise-floor``).
+    ``role`` is ``baseline``, ``candidate`` or ``noise floor`` (the baseline's second run, ``--noise-floor``).
     """
 
     name: str
@@ -127,7 +159,7 @@ class Candidate:
     directory: Path
     returncode: int | None = None
     error: str | None = None
-    role: str = "candidate"
+    role: Role = CANDIDATE
 
     _record: dict[str, Any] | None = dataclasses.field(default=None, init=False, repr=False)
 
@@ -166,16 +198,16 @@ def build(
     steps: int,
     argv: list[str],
     metrics: Sequence[Metric] = (),
-) -> dict[str, Any]:
+) -> Report:
     """The report as ``compare.json`` holds it."""
     baseline = candidates[0]
     entries = [_entry(candidate) for candidate in candidates]
-    entries[0]["role"] = "baseline"  # whatever the caller named it: the first run is what the others are held to
-    report: dict[str, Any] = {
+    entries[0]["role"] = BASELINE  # whatever the caller named it: the first run is what the others are held to
+    report: Report = {
         "schema": SCHEMA,
         "command": ["lightning-ddp-amp", "compare", *argv],
         "steps": steps,
-        "tolerance": dataclasses.asdict(tolerance),
+        "tolerance": {"loss": tolerance.loss, "weights": tolerance.weights},
         "metrics": [{"name": m.name, "tolerance": m.tolerance_text()} for m in metrics],
         "versions": _versions(),
         "hardware": _hardware(),
@@ -187,79 +219,78 @@ def build(
         "spread": None,
         "candidates": entries,
     }
-    if entries[0]["status"] == "failed":
+    if entries[0]["status"] == FAILED:
         report["problem"] = f"the baseline {baseline.name} failed, so there is nothing to compare against"
         for entry in entries[1:]:
-            if entry["status"] != "failed":
-                entry["status"], entry["reason"] = "not compared", "the baseline failed"
+            if entry["status"] != FAILED:
+                entry["reason"] = "the baseline failed"
         return report
     records = [
-        candidate.record() if entry["status"] != "failed" else None
+        candidate.record() if entry["status"] != FAILED else None
         for candidate, entry in zip(candidates, entries, strict=True)
     ]
     problem = _incomparable(candidates, records)
     if problem is not None:
         report["problem"] = problem
         for entry in entries:
-            if entry["status"] != "failed":
-                entry["status"], entry["reason"] = "not compared", "the runs did not start alike"
+            if entry["status"] != FAILED:
+                entry["reason"] = "the runs did not start alike"
         return report
     report["comparable"] = True
-    base_series = entries[0]["series"]
+    base_entry, base_series = entries[0], entries[0]["series"]
+    assert base_series is not None
     start = torch.load(baseline.directory / START_WEIGHTS)
     base_weights = torch.load(baseline.directory / FINAL_WEIGHTS)
-    compared = [(c, e) for c, e in zip(candidates, entries, strict=True) if e["status"] != "failed"]
+    compared = [(c, e) for c, e in zip(candidates, entries, strict=True) if e["status"] != FAILED]
     final_weights = {}
     for candidate, entry in compared:
         weights = final_weights[candidate.name] = torch.load(candidate.directory / FINAL_WEIGHTS)
-        entry["summary"] = _summary(entry, entries[0], weights, base_weights, start)
-    noise = next((e for c, e in compared if c.role == "noise floor"), None)
+        entry["summary"] = _summary(entry, base_entry, weights, base_weights, start)
+    noise = next((e for c, e in compared if c.role == NOISE_FLOOR), None)
     report["noise_floor"] = None if noise is None else _noise_floor(noise)
-    report["spread"] = _spread(entries[0], noise)
-    report["problem"] = _missing_metric(entries[0], metrics)
+    report["spread"] = widths = _spread(base_entry, noise)
+    report["problem"] = _missing_metric(base_entry["evaluations"], metrics)
     for candidate, entry in compared:
-        summary = entry["summary"]
-        summary["step_time_call"] = _call(summary["step_time_ratio"], report["spread"]["step_time"])
-        summary["peak_memory_call"] = _call(summary["peak_memory_ratio"], report["spread"]["peak_memory"])
+        summary, series = entry["summary"], entry["series"]
+        assert summary is not None and series is not None
+        summary["step_time_call"] = _call(summary["step_time_ratio"], widths["step_time"])
+        summary["peak_memory_call"] = _call(summary["peak_memory_ratio"], widths["peak_memory"])
         if candidate is baseline:
-            entry["status"], entry["reason"] = "baseline", "the baseline"
+            entry["status"], entry["reason"] = BASELINE, "the baseline"
             continue
-        if candidate.role == "noise floor":
-            entry["status"] = "noise floor"
+        if candidate.role == NOISE_FLOOR:
+            entry["status"] = NOISE_FLOOR
             entry["reason"] = "the baseline run again with every initial weight one ulp up"
             continue
-        summary["first_step_apart"] = _first_apart(entry, tolerance)
-        summary["explanation"] = _explain(entry, entries[0])
-        entry["status"], entry["reason"] = _verdict(summary, tolerance, metrics)
+        summary["first_step_apart"] = _first_apart(series, tolerance)
+        summary["explanation"] = _explain(entry, base_entry)
+        status, reason = _verdict(summary, tolerance, metrics)
         if summary["explanation"]:
-            entry["reason"] += f"; {summary['explanation']}"
+            reason += f"; {summary['explanation']}"
         if summary["scale_trend"] and summary["scale_trend"]["model_problem"]:
-            entry["reason"] += f"; {summary['scale_trend']['advice']}"
-        if _identical(entry["series"], base_series, final_weights[candidate.name], base_weights):
-            entry["status"] = "identical"
-            entry["reason"] = "the baseline's loss at every step and its final weights, bit for bit"
-        if entry["ran_as"] == entries[0]["ran_as"] and candidate.command == baseline.command:
-            entry["reason"] += (
-                f"; it trained as the baseline did ({entry['ran_as']}), so this compares a run with itself"
-            )
+            reason += f"; {summary['scale_trend']['advice']}"
+        if _identical(series, base_series, final_weights[candidate.name], base_weights):
+            status, reason = IDENTICAL, "the baseline's loss at every step and its final weights, bit for bit"
+        if entry["ran_as"] == base_entry["ran_as"] and candidate.command == baseline.command:
+            reason += f"; it trained as the baseline did ({entry['ran_as']}), so this compares a run with itself"
             if candidate.precision.startswith("amp-"):
-                entry["reason"] += (
-                    f" (amp-O* runs apex where apex is installed: name native-{candidate.precision[4:]} for torch's AMP)"
-                )
+                reason += f" (amp-O* runs apex where apex is installed: name native-{candidate.precision[4:]} for torch's AMP)"
+        entry["status"], entry["reason"] = status, reason
     return report
 
 
-def _entry(candidate: Candidate) -> dict[str, Any]:
+def _entry(candidate: Candidate) -> CandidateEntry:
+    """The run as far as its folder tells, before any comparison: ``failed``, or ``not compared`` yet."""
     failure = candidate.failure()
     record = None if failure is not None else candidate.record()
-    entry: dict[str, Any] = {
+    entry: CandidateEntry = {
         "name": candidate.name,
         "precision": candidate.precision,
         "role": candidate.role,
         "command": candidate.command,
         "directory": str(candidate.directory),
         "returncode": candidate.returncode,
-        "status": "failed" if record is None else "recorded",
+        "status": FAILED if record is None else NOT_COMPARED,
         "reason": failure,
         "world_size": None,
         "ran_as": None,
@@ -280,30 +311,28 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
         if finished is not None:
             entry["evaluations"] = finished.get("evaluations", [])
         return entry
-    entry.update(
-        world_size=record["world_size"],
-        ran_as=record["ran_as"],
-        restarts=record["restarts"],
-        replaced=record["replaced"],
-        turned_off=record["turned_off"],
-        evaluations=record.get("evaluations", []),
-        series=_series(record["ranks"]),
-        overflows=_overflows(record["ranks"]),
-    )
-    entry["series"]["weight_distance"] = [[step, d] for step, d in record.get("weight_distances", [])]
+    entry["world_size"] = record["world_size"]
+    entry["ran_as"] = record["ran_as"]
+    entry["restarts"] = record["restarts"]
+    entry["replaced"] = record["replaced"]
+    entry["turned_off"] = record["turned_off"]
+    entry["evaluations"] = record.get("evaluations", [])
+    entry["series"] = series = _series(record["ranks"])
+    entry["overflows"] = _overflows(record["ranks"])
+    series["weight_distance"] = [[step, d] for step, d in record.get("weight_distances", [])]
     entry["peak_memory_bytes"] = max(rank["peak_memory_bytes"] for rank in record["ranks"])
     entry["peak_memory_kind"] = record["ranks"][0]["peak_memory_kind"]
     return entry
 
 
-def _series(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def _series(ranks: list[dict[str, Any]]) -> Series:
     """The run's series from its ranks' records: the loss averaged over ranks, the step time the slowest rank's, the
     rest rank 0's; as long as the shortest rank's (a crash may stop ranks a step apart)."""
     first = ranks[0]
     count = min(len(rank["step"]) for rank in ranks)
     return {
         "step": first["step"][:count],
-        "loss": [_mean([rank["loss"][i] for rank in ranks]) for i in range(count)],
+        "loss": [math.fsum(rank["loss"][i] for rank in ranks) / len(ranks) for i in range(count)],
         "loss_by_rank": [rank["loss"][:count] for rank in ranks],
         "skipped": first["skipped"][:count],
         "loss_scale": first["loss_scale"][:count],
@@ -316,55 +345,30 @@ def _series(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _overflows(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _overflows(ranks: list[dict[str, Any]]) -> list[Overflow]:
     """Each located overflow once, per step the rank that found the most (a place before "not reproduced")."""
-    found: dict[int, dict[str, Any]] = {}
+    found: dict[int, Overflow] = {}
     for rank in ranks:
         for overflow in rank.get("overflows", []):
             step, known = overflow["step"], overflow["module"] is not None
             if step not in found or (known and found[step]["module"] is None):
-                found[step] = {**overflow, "rank": rank["rank"]}
+                found[step] = cast(Overflow, {**overflow, "rank": rank["rank"]})  # record.json's, and its rank
     return [found[step] for step in sorted(found)]
 
 
-def _incomparable(candidates: list[Candidate], records: list[dict[str, Any] | None]) -> str | None:
-    """What makes the recorded runs unlike the baseline's, with the fix; None when they all started alike."""
-    baseline, base = candidates[0], records[0]
-    assert base is not None
-    for candidate, record in zip(candidates[1:], records[1:], strict=True):
-        if record is None:
-            continue
-        if record["world_size"] != base["world_size"]:
-            return (
-                f"the runs trained on different numbers of ranks ({baseline.name}: {base['world_size']},"
-                f" {candidate.name}: {record['world_size']}). Fix: launch every candidate the same way"
-            )
-        for ours, theirs in zip(base["ranks"], record["ranks"], strict=True):
-            where = f"rank {ours['rank']}: {candidate.name} against the baseline {baseline.name}"
-            if ours["weights_hash"] != theirs["weights_hash"]:
-                return (
-                    f"the model's initial weights differ between runs ({where}). Fix: call"
-                    " `lightning.seed_everything(...)` (or torch.manual_seed) before building the model; with"
-                    " LightningCLI, set `seed_everything: 42` in the config (its default, true, picks a new seed"
-                    " every run)"
-                )
-            if ours["batch_hash"] != theirs["batch_hash"]:
-                return (
-                    f"the first training batch differs between runs ({where}). Fix: call"
-                    " `lightning.seed_everything(...)` before building the DataLoader, or give it a"
-                    " torch.Generator with a fixed seed; with LightningCLI, set `seed_everything: 42` in the config"
-                )
-    return None
-
-
 def _summary(
-    entry: dict[str, Any],
-    base_entry: dict[str, Any],
+    entry: CandidateEntry,
+    base_entry: CandidateEntry,
     weights: dict[str, torch.Tensor],
     base_weights: dict[str, torch.Tensor],
     start: dict[str, torch.Tensor],
-) -> dict[str, Any]:
+) -> Summary:
+    """A recorded run's numbers against the baseline's; sets the differences and the final distance in its series.
+
+    The verdict's parts (``first_step_apart``, ``explanation``, the calls against the spread) are left for the report.
+    """
     series, base = entry["series"], base_entry["series"]
+    assert series is not None and base is not None
     ran = set(series["step"])
     common = [step for step in base["step"] if step in ran]
     ours = dict(zip(series["step"], series["loss"], strict=True))
@@ -405,8 +409,8 @@ def _summary(
     }
 
 
-def _step_times(series: dict[str, Any]) -> dict[str, float] | None:
-    """Median and quartiles of :func:`timed_steps` (all steps when that leaves none); None without a finite time."""
+def _step_times(series: Series) -> StepTimes | None:
+    """Median and quartiles of :func:`~lightning_ddp_amp.compare.recording.timed_steps` (all steps when that leaves none); None without a finite time."""
     times = [t for _, t in timed_steps(series) if t is not None and math.isfinite(t)] or [
         t for t in series["step_time_s"] if t is not None and math.isfinite(t)
     ]
@@ -416,15 +420,24 @@ def _step_times(series: dict[str, Any]) -> dict[str, float] | None:
     return {"median": statistics.median(times), "p25": quartiles[0], "p75": quartiles[2]}
 
 
-def _metrics(evaluations: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _last_values(evaluations: list[Evaluation]) -> dict[str, tuple[float, Stage]]:
+    """Each metric's value in the last validation or test run that logged it, and that run's stage."""
+    values: dict[str, tuple[float, Stage]] = {}
+    for evaluation in evaluations:
+        for name, value in evaluation["metrics"].items():
+            values[name] = (value, evaluation["stage"])
+    return values
+
+
+def _metrics(evaluations: list[Evaluation], base: list[Evaluation]) -> dict[str, MetricSummary]:
     """Each metric's last value (from the last validation or test run that logged it) beside the baseline's."""
     ours, theirs = _last_values(evaluations), _last_values(base)
-    found = {}
+    found: dict[str, MetricSummary] = {}
     for name in sorted(ours.keys() | theirs.keys()):
-        value, stage = ours.get(name, (None, None))
-        baseline, base_stage = theirs.get(name, (None, None))
+        value, stage = ours[name] if name in ours else (None, theirs[name][1])
+        baseline = theirs[name][0] if name in theirs else None
         found[name] = {
-            "stage": stage or base_stage,
+            "stage": stage,
             "value": value,
             "baseline": baseline,
             "difference": None if value is None or baseline is None else value - baseline,
@@ -433,35 +446,7 @@ def _metrics(evaluations: list[dict[str, Any]], base: list[dict[str, Any]]) -> d
     return found
 
 
-def _last_values(evaluations: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
-    values: dict[str, tuple[float, str]] = {}
-    for evaluation in evaluations:
-        for name, value in evaluation["metrics"].items():
-            values[name] = (value, evaluation["stage"])
-    return values
-
-
-def missing_metric(baseline: Candidate, metrics: Sequence[Metric]) -> str | None:
-    """The problem with a ``--metric`` the baseline's finished run never logged, as soon as it has ended: the other
-    runs would be for nothing. None while there is nothing to say (no record: the report says why)."""
-    record = None if baseline.failure() is not None else baseline.record()
-    return None if record is None else _missing_metric({"evaluations": record.get("evaluations", [])}, metrics)
-
-
-def _missing_metric(base: dict[str, Any], metrics: Sequence[Metric]) -> str | None:
-    """A ``--metric`` the baseline never logged: the verdict cannot use it."""
-    logged = sorted(_last_values(base["evaluations"]))
-    for metric in metrics:
-        if metric.name not in logged:
-            return (
-                f"--metric={metric.name!r}: the baseline logged no such metric in validation or test (it logged:"
-                f" {', '.join(logged) or 'none'}). Fix: name one of those, or log it with self.log({metric.name!r}, ...)"
-                " in validation_step or test_step, and give the run a validation or test loader"
-            )
-    return None
-
-
-def _scale_trend(series: dict[str, Any], overflows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _scale_trend(series: Series, overflows: list[Overflow]) -> ScaleTrend | None:
     """How the loss scale fared after overflows: whether training went on, and whether the model is the problem."""
     skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
     if not skipped and not overflows:
@@ -499,12 +484,14 @@ def _scale_trend(series: dict[str, Any], overflows: list[dict[str, Any]]) -> dic
     }
 
 
-def _noise_floor(noise: dict[str, Any]) -> dict[str, Any]:
-    summary = noise["summary"]
+def _noise_floor(noise: CandidateEntry) -> NoiseFloor:
+    """The distances of the noise-floor run, said beside every candidate's."""
+    summary, series = noise["summary"], noise["series"]
+    assert summary is not None and series is not None
     return {
         "candidate": noise["name"],
         "weight_distance": summary["weight_distance"],
-        "weight_distances": noise["series"]["weight_distance"],
+        "weight_distances": series["weight_distance"],
         "final_loss_relative_difference": summary["final_loss_relative_difference"],
         "max_relative_loss_difference": summary["max_relative_loss_difference"],
         "step_time_ratio": summary["step_time_ratio"],
@@ -512,12 +499,9 @@ def _noise_floor(noise: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-#: The fewest timed steps (the first and the snapshot-slowed left out) whose quartiles make a step-time spread.
-MIN_TIMED_STEPS = 4
-
-
-def _spread(base: dict[str, Any], noise: dict[str, Any] | None) -> dict[str, Any]:
+def _spread(base: CandidateEntry, noise: CandidateEntry | None) -> Spread:
     """How much step time and peak memory move with nothing changed (module docstring)."""
+    assert base["summary"] is not None and base["series"] is not None
     times = base["summary"]["step_time_s"]
     timed = sum(1 for _, t in timed_steps(base["series"]) if t is not None and math.isfinite(t))
     over_steps = None  # fewer timed steps have no spread to speak of: no ratio is called faster or slower on them
@@ -525,6 +509,7 @@ def _spread(base: dict[str, Any], noise: dict[str, Any] | None) -> dict[str, Any
         over_steps = (times["p75"] - times["p25"]) / (2 * times["median"])
     between_time = between_memory = None
     if noise is not None:
+        assert noise["summary"] is not None
         ratio, memory = noise["summary"]["step_time_ratio"], noise["summary"]["peak_memory_ratio"]
         between_time = None if ratio is None else abs(ratio - 1)
         between_memory = None if memory is None else abs(memory - 1)
@@ -537,20 +522,104 @@ def _spread(base: dict[str, Any], noise: dict[str, Any] | None) -> dict[str, Any
     }
 
 
-def _call(ratio: float | None, spread: float | None) -> str | None:
-    """``"faster"`` / ``"slower"`` (or less / more, for memory), only outside the spread; None without a spread."""
-    if ratio is None or spread is None:
+def _call(ratio: float | None, width: float | None) -> Call | None:
+    """Whether a ratio is above or below ``1 ± width`` (a spread), or within it; None without either."""
+    if ratio is None or width is None:
         return None
-    if ratio > 1 + spread:
-        return "above"
-    if ratio < 1 - spread:
-        return "below"
-    return "within the spread"
+    if ratio > 1 + width:
+        return ABOVE
+    if ratio < 1 - width:
+        return BELOW
+    return WITHIN_THE_SPREAD
+
+
+def _submodule_distances(
+    weights: dict[str, torch.Tensor], base: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
+) -> list[SubmoduleDistance]:
+    groups: dict[str, list[str]] = {}
+    for name in weights:
+        groups.setdefault(name.rpartition(".")[0] or name, []).append(name)
+    return [
+        {"name": module, "distance": weight_distance(weights, base, start, names)} for module, names in groups.items()
+    ]
+
+
+def _relative(value: float | None, reference: float | None) -> float | None:
+    """``|value - reference| / |reference|``; infinite where either is not finite, None where either is None."""
+    if value is None or reference is None:
+        return None
+    if not (math.isfinite(value) and math.isfinite(reference)):
+        return math.inf
+    if reference == 0:
+        return 0.0 if value == 0 else math.inf
+    return abs(value - reference) / abs(reference)
+
+
+def _ratio(value: float, reference: float) -> float | None:
+    return value / reference if reference else None
+
+
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan
+
+
+def _order(value: float | None) -> float:
+    return -1.0 if value is None else math.inf if math.isnan(value) else value
+
+
+def _incomparable(candidates: list[Candidate], records: Sequence[dict[str, Any] | None]) -> str | None:
+    """What makes the recorded runs unlike the baseline's, with the fix; None when they all started alike."""
+    baseline, base = candidates[0], records[0]
+    assert base is not None
+    for candidate, record in zip(candidates[1:], records[1:], strict=True):
+        if record is None:
+            continue
+        if record["world_size"] != base["world_size"]:
+            return (
+                f"the runs trained on different numbers of ranks ({baseline.name}: {base['world_size']},"
+                f" {candidate.name}: {record['world_size']}). Fix: launch every candidate the same way"
+            )
+        for ours, theirs in zip(base["ranks"], record["ranks"], strict=True):
+            where = f"rank {ours['rank']}: {candidate.name} against the baseline {baseline.name}"
+            if ours["weights_hash"] != theirs["weights_hash"]:
+                return (
+                    f"the model's initial weights differ between runs ({where}). Fix: call"
+                    " `lightning.seed_everything(...)` (or torch.manual_seed) before building the model; with"
+                    " LightningCLI, set `seed_everything: 42` in the config (its default, true, picks a new seed"
+                    " every run)"
+                )
+            if ours["batch_hash"] != theirs["batch_hash"]:
+                return (
+                    f"the first training batch differs between runs ({where}). Fix: call"
+                    " `lightning.seed_everything(...)` before building the DataLoader, or give it a"
+                    " torch.Generator with a fixed seed; with LightningCLI, set `seed_everything: 42` in the config"
+                )
+    return None
+
+
+def missing_metric(baseline: Candidate, metrics: Sequence[Metric]) -> str | None:
+    """The problem with a ``--metric`` the baseline's finished run never logged, as soon as it has ended: the other
+    runs would be for nothing. None while there is nothing to say (no record: the report says why)."""
+    record = None if baseline.failure() is not None else baseline.record()
+    return None if record is None else _missing_metric(record.get("evaluations", []), metrics)
+
+
+def _missing_metric(evaluations: list[Evaluation], metrics: Sequence[Metric]) -> str | None:
+    """A ``--metric`` the baseline never logged: the verdict cannot use it."""
+    logged = sorted(_last_values(evaluations))
+    for metric in metrics:
+        if metric.name not in logged:
+            return (
+                f"--metric={metric.name!r}: the baseline logged no such metric in validation or test (it logged:"
+                f" {', '.join(logged) or 'none'}). Fix: name one of those, or log it with self.log({metric.name!r}, ...)"
+                " in validation_step or test_step, and give the run a validation or test loader"
+            )
+    return None
 
 
 def _identical(
-    series: dict[str, Any],
-    base: dict[str, Any],
+    series: Series,
+    base: Series,
     weights: dict[str, torch.Tensor],
     base_weights: dict[str, torch.Tensor],
 ) -> bool:
@@ -560,7 +629,7 @@ def _identical(
     return all(torch.equal(weights[name], base_weights[name]) for name in weights)
 
 
-def _verdict(summary: dict[str, Any], tolerance: Tolerance, metrics: Sequence[Metric] = ()) -> tuple[str, str]:
+def _verdict(summary: Summary, tolerance: Tolerance, metrics: Sequence[Metric] = ()) -> tuple[Status, str]:
     reasons = []
     final, distance = summary["final_loss_relative_difference"], summary["weight_distance"]
     if final is None or not math.isfinite(final) or final > tolerance.loss:
@@ -584,15 +653,15 @@ def _verdict(summary: dict[str, Any], tolerance: Tolerance, metrics: Sequence[Me
         else:
             held.append(f"{metric.name} {found['value']:.6g} against {found['baseline']:.6g}")
     if reasons:
-        return "apart", "; ".join(reasons)
-    return "close", (
+        return APART, "; ".join(reasons)
+    return CLOSE, (
         f"final loss {percent(final)} from the baseline's, weights {percent(distance)} of its travel away"
         f" (tolerances {percent(tolerance.loss)}, {percent(tolerance.weights)})" + "".join(f"; {text}" for text in held)
     )
 
 
-def _first_apart(entry: dict[str, Any], tolerance: Tolerance) -> int | None:
-    for step, difference in zip(entry["series"]["step"], entry["series"]["relative_loss_difference"], strict=True):
+def _first_apart(series: Series, tolerance: Tolerance) -> int | None:
+    for step, difference in zip(series["step"], series["relative_loss_difference"], strict=True):
         if difference is None:
             continue
         if not math.isfinite(difference) or difference > tolerance.loss:
@@ -600,16 +669,18 @@ def _first_apart(entry: dict[str, Any], tolerance: Tolerance) -> int | None:
     return None
 
 
-def _explain(entry: dict[str, Any], base: dict[str, Any]) -> str | None:
+def _explain(entry: CandidateEntry, base: CandidateEntry) -> str | None:
     """Why a run leaves the tolerance where it does, when a step skipped in one run only explains it.
 
     A step skipped on overflow leaves the weights as they were and holds the LR schedule back one step, so from there
     the two runs train out of phase: a difference that is not the precision's rounding.
     """
-    first = entry["summary"]["first_step_apart"]
+    summary, base_summary = entry["summary"], base["summary"]
+    assert summary is not None and base_summary is not None
+    first = summary["first_step_apart"]
     if first is None:
         return None
-    ours, theirs = set(entry["summary"]["skipped_steps"]), set(base["summary"]["skipped_steps"])
+    ours, theirs = set(summary["skipped_steps"]), set(base_summary["skipped_steps"])
     alone = sorted(step for step in ours ^ theirs if step < first)
     if not alone:
         return None
@@ -619,13 +690,14 @@ def _explain(entry: dict[str, Any], base: dict[str, Any]) -> str | None:
         f"it leaves the tolerance at step {first}, after step {step}, which {who} alone skipped on overflow: a skipped"
         " step keeps the weights and holds the LR schedule back, so the runs train out of phase from there"
     )
+    assert entry["series"] is not None and base["series"] is not None
     shift = _lr_shift(entry["series"], base["series"], after=step)
     if shift:
         said += f"; its LR schedule runs {abs(shift)} step(s) {'behind' if shift > 0 else 'ahead of'} the baseline's"
     return said
 
 
-def _lr_shift(series: dict[str, Any], base: dict[str, Any], after: int) -> int:
+def _lr_shift(series: Series, base: Series, after: int) -> int:
     """How many steps this run's LR lags the baseline's after step ``after`` (negative: leads); 0 when it does not,
     or when the LR does not change there."""
     ours = {step: lr for step, lr in zip(series["step"], series["lr"], strict=True) if step > after}
@@ -639,39 +711,6 @@ def _lr_shift(series: dict[str, Any], base: dict[str, Any], after: int) -> int:
     return 0
 
 
-def _submodule_distances(
-    weights: dict[str, torch.Tensor], base: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
-) -> list[dict[str, Any]]:
-    groups: dict[str, list[str]] = {}
-    for name in weights:
-        groups.setdefault(name.rpartition(".")[0] or name, []).append(name)
-    return [
-        {"name": module, "distance": weight_distance(weights, base, start, names)} for module, names in groups.items()
-    ]
-
-
-def _relative(value: float | None, reference: float | None) -> float | None:
-    if value is None or reference is None:
-        return None
-    if not (math.isfinite(value) and math.isfinite(reference)):
-        return math.inf
-    if reference == 0:
-        return 0.0 if value == 0 else math.inf
-    return abs(value - reference) / abs(reference)
-
-
-def _ratio(value: float, reference: float) -> float | None:
-    return value / reference if reference else None
-
-
-def _mean(values: list[float]) -> float:
-    return math.fsum(values) / len(values) if values else math.nan
-
-
-def _order(value: float | None) -> float:
-    return -1.0 if value is None else math.inf if math.isnan(value) else value
-
-
 def percent(value: float | None) -> str:
     """A fraction as the report says it: ``0.0123`` is ``"1.23%"``; None or not finite is ``"not finite"``."""
     if value is None or not math.isfinite(value):
@@ -679,13 +718,16 @@ def percent(value: float | None) -> str:
     return f"{100 * value:.3g}%"
 
 
-def _versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("lightning", "pytorch_lightning", "lightning_ddp_amp"):
-        found[name] = installed(name)
+def _versions() -> Versions:
     apex = _apex()
-    found["apex"] = None if apex is None else apex["version"]
-    return found
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": installed("lightning"),
+        "pytorch_lightning": installed("pytorch_lightning"),
+        "lightning_ddp_amp": installed("lightning_ddp_amp"),
+        "apex": None if apex is None else apex["version"],
+    }
 
 
 def _hardware() -> str:
@@ -703,7 +745,7 @@ def _hardware() -> str:
     return f"CPU {cpu}"
 
 
-def _apex() -> dict[str, Any] | None:
+def _apex() -> Apex | None:
     """The apex the runs import: where, its version (``"unknown"`` for a build without package metadata, as a
     source checkout on the path), and whether it is this repository's CPU test double; None without apex."""
     found = apex_loader.installation()
@@ -713,7 +755,7 @@ def _apex() -> dict[str, Any] | None:
     return {"location": found["location"], "version": version, "test_double": found["test_double"]}
 
 
-def write(report: dict[str, Any], out: Path) -> int:
+def write(report: Report, out: Path) -> int:
     """Write ``compare.json`` and, with matplotlib, ``compare.png``; returns the exit status of ``compare``."""
 
     (out / JSON_FILE).write_text(json.dumps(_finite(report), indent=2))
@@ -726,7 +768,7 @@ def write(report: dict[str, Any], out: Path) -> int:
     statuses = {entry["status"] for entry in report["candidates"]}
     if not report["comparable"] or report["problem"]:
         return 2
-    return 1 if statuses & {"apart", "failed"} else 0
+    return 1 if statuses & {APART, FAILED} else 0
 
 
 def _finite(value: Any) -> Any:
