@@ -166,7 +166,7 @@ MUTATIONS = (
     Mutation(
         "compare-percent-tolerance-unscaled",
         "--metric val_acc:1% is read as a tolerance of 100% (1.0), so any candidate's metric passes",
-        "compare/report.py",
+        "compare/tolerance.py",
         '            value = float(tolerance[:-1]) / 100 if tolerance.endswith("%") else float(tolerance)\n',
         '            value = float(tolerance[:-1]) if tolerance.endswith("%") else float(tolerance)\n',
         ("tests/test_compare.py::test_a_metric_tolerance_ending_in_percent_is_relative_and_a_number_absolute",),

@@ -37,9 +37,11 @@ from lightning_ddp_amp.compare import picture as compare_picture
 from lightning_ddp_amp.compare import recording as compare_recording
 from lightning_ddp_amp.compare import report as compare_report
 from lightning_ddp_amp.compare import schema as compare_schema
+from lightning_ddp_amp.compare import summary as compare_summary
 from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
+from lightning_ddp_amp.compare.report import Candidate
 from lightning_ddp_amp.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
+from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
 
 REPO = Path(__file__).parent.parent
 SCRIPT = str(WORKERS / "compare_train.py")
@@ -611,11 +613,11 @@ def test_step_time_and_memory_are_called_faster_or_slower_only_outside_their_spr
 def test_a_baseline_with_fewer_than_four_timed_steps_has_no_step_time_spread_and_calls_nothing() -> None:
     def entry(times: list[float]) -> dict[str, Any]:
         series = {"step": list(range(len(times))), "step_time_s": times, "slowed_steps": []}
-        return {"series": series, "summary": {"step_time_s": compare_report._step_times(series)}}
+        return {"series": series, "summary": {"step_time_s": compare_summary.step_times(series)}}
 
-    assert compare_report._spread(entry([0.5, 0.01, 0.01, 0.01]), None)["step_time"] is None  # 3 timed: quartiles 0
-    assert compare_report._call(1.5, None) is None
-    spread = compare_report._spread(entry([0.5, 0.01, 0.01, 0.02, 0.02]), None)["step_time"]
+    assert compare_summary.spread(entry([0.5, 0.01, 0.01, 0.01]), None)["step_time"] is None  # 3 timed: quartiles 0
+    assert compare_summary.call(1.5, None) is None
+    spread = compare_summary.spread(entry([0.5, 0.01, 0.01, 0.02, 0.02]), None)["step_time"]
     assert spread == pytest.approx((0.02 - 0.01) / (2 * 0.015))
 
 

@@ -41,9 +41,10 @@ from typing import IO, TextIO
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.compare import report as compare_report
 from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
+from lightning_ddp_amp.compare.report import Candidate
 from lightning_ddp_amp.compare.run_folder import OUTPUT_FILES, PLAN_FILE, PLAN_VARIABLE, Plan
 from lightning_ddp_amp.compare.schema import BASELINE, CANDIDATE, NOISE_FLOOR, Role
+from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
 from lightning_ddp_amp.errors import CheckpointError
 from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp_amp.compare.recording import timed_steps
 from lightning_ddp_amp.compare.schema import BASELINE, CandidateEntry, Report, Series
+from lightning_ddp_amp.compare.summary import timed_steps
 
 #: The panels, in order: title, and the series key each plots (``metrics``: every validation and test metric).
 PANELS = (

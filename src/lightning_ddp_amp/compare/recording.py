@@ -29,7 +29,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,9 @@ from lightning_ddp_amp.compare.schema import (
     TEST,
     VALIDATE,
     Evaluation,
-    Series,
     Stage,
 )
+from lightning_ddp_amp.compare.summary import weight_distance
 
 
 @dataclasses.dataclass
@@ -374,31 +374,6 @@ class Recording:
             # The step after each snapshot: the other ranks wait in it for rank 0, which saved or read weights.
             "slowed_steps": list(self._snapshot_steps),
         }
-
-
-def timed_steps(series: Series) -> list[tuple[int, float | None]]:
-    """``(step, step time)`` without the first step (warm-up) and the steps slowed by rank 0 measuring weight
-    distances: what the step-time statistics and the picture use."""
-    slowed = set(series["slowed_steps"])
-    pairs = zip(series["step"], series["step_time_s"], strict=True)
-    return [(step, t) for index, (step, t) in enumerate(pairs) if index and step not in slowed]
-
-
-def weight_distance(
-    weights: Mapping[str, Tensor],
-    base: Mapping[str, Tensor],
-    start: Mapping[str, Tensor],
-    names: Iterable[str] | None = None,
-) -> float | None:
-    """``‖w - w_baseline‖ / ‖w_baseline - w_start‖`` over ``names`` (default: all); None when none are shared."""
-    names = [name for name in (weights if names is None else names) if name in base and name in start]
-    if not names:
-        return None
-    apart = math.sqrt(sum(float((weights[n] - base[n]).double().square().sum()) for n in names))
-    travel = math.sqrt(sum(float((base[n] - start[n]).double().square().sum()) for n in names))
-    if travel == 0:
-        return 0.0 if apart == 0 else math.inf
-    return apart / travel
 
 
 def _one_ulp_up(pl_module: Any) -> None:

@@ -1,35 +1,19 @@
 """The report of ``lightning-ddp-amp compare``: are the runs comparable, and how far is each from the baseline.
 
-Definitions (``docs/compare.md`` explains how to read them):
-
-* The loss of a step is the mean over ranks of what each rank gave to backward since its previous step.
-* The *relative loss difference* of a step is ``|loss - baseline loss| / |baseline loss|``, over the steps both
-  runs took. The *final loss* is the mean over the last tenth of those steps (at least one).
-* The *weight distance* is ``‖w - w_baseline‖ / ‖w_baseline - w_start‖``: how far the candidate's final weights are
-  from the baseline's, as a fraction of how far the baseline moved from the common start. It is 1 for a candidate
-  that never moved (every step skipped), and about 0.1 for the same precision at a learning rate 10% off. Per
-  submodule (the module that holds each parameter) the same ratio uses that submodule's own weights.
-* A candidate is **identical** when it took the baseline's steps with the baseline's loss at each and ended in its
-  weights, bit for bit; else **close** when its final loss is within the loss tolerance of the baseline's, its
-  weight distance within the weight tolerance and each ``--metric`` within its own; otherwise **apart**, with the
-  reason.
-* The *noise floor* (``--noise-floor``) is the baseline run again with every initial weight one ulp up: the
-  distances of a run that differs by nothing that matters, beside which every candidate's are read.
-* Step times leave out each run's first step (warm-up) and the steps slowed by rank 0 measuring weight distances;
-  their *spread* is half the baseline's interquartile range over its median, or, when wider, how far the noise-floor
-  run's median is from the baseline's. A step-time ratio within ``1 ± spread`` is not called faster or slower; the
-  memory spread is how far the noise-floor run's peak is from the baseline's.
+A candidate is **identical** when it took the baseline's steps with the baseline's loss at each and ended in its
+weights, bit for bit; else **close** when its final loss is within the loss tolerance of the baseline's, its weight
+distance within the weight tolerance and each ``--metric`` within its own
+(:mod:`~lightning_ddp_amp.compare.tolerance`); otherwise **apart**, with the reason. The numbers the verdict rests
+on, and their definitions, are :mod:`~lightning_ddp_amp.compare.summary`'s; the shape of ``compare.json`` is
+:mod:`~lightning_ddp_amp.compare.schema`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import platform
-import re
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -38,13 +22,10 @@ import torch
 
 from lightning_ddp_amp.amp import apex_loader
 from lightning_ddp_amp.compare import picture, run_folder
-from lightning_ddp_amp.compare.recording import timed_steps, weight_distance
 from lightning_ddp_amp.compare.run_folder import ERRORS, FINAL_WEIGHTS, START_WEIGHTS
 from lightning_ddp_amp.compare.schema import (
-    ABOVE,
     APART,
     BASELINE,
-    BELOW,
     CANDIDATE,
     CLOSE,
     FAILED,
@@ -52,98 +33,23 @@ from lightning_ddp_amp.compare.schema import (
     NOISE_FLOOR,
     NOT_COMPARED,
     SCHEMA,
-    WITHIN_THE_SPREAD,
     Apex,
-    Call,
     CandidateEntry,
     Evaluation,
-    MetricSummary,
-    NoiseFloor,
     Overflow,
     Report,
     Role,
-    ScaleTrend,
     Series,
-    Spread,
-    Stage,
     Status,
-    StepTimes,
-    SubmoduleDistance,
     Summary,
     Versions,
 )
+from lightning_ddp_amp.compare.summary import call, last_values, noise_floor, spread, summarize
+from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
 from lightning_ddp_amp.versions import installed
 
 JSON_FILE = "compare.json"
 PNG_FILE = "compare.png"
-#: A loss scale below this means the model overflows fp16 with its loss unscaled: not a rounding question.
-MODEL_PROBLEM_SCALE = 1.0
-#: The fewest timed steps (the first and the snapshot-slowed left out) whose quartiles make a step-time spread.
-MIN_TIMED_STEPS = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """Beyond these a candidate is apart: the relative final-loss difference, and the relative weight distance.
-
-    The defaults were measured on ``examples/two_models_one_optimizer.py`` (``docs/compare.md``): ``apex-O1`` against
-    ``amp-O1`` differ by a fraction of these, the same precision at a learning rate 10% off by several times them.
-    """
-
-    loss: float = 0.02
-    weights: float = 0.05
-
-    @classmethod
-    def parse(cls, text: str) -> Tolerance:
-        """``"0.05"`` (both) or ``"0.02,0.05"`` (loss, weights); an argparse ``type``."""
-        parts = text.split(",")
-        try:
-            values = [float(part) for part in parts]
-        except ValueError:
-            values = []
-        if len(values) not in (1, 2) or not all(math.isfinite(v) and v > 0 for v in values):
-            raise argparse.ArgumentTypeError(
-                f"--tolerance={text!r}: expected one or two positive numbers. Fix: e.g. --tolerance 0.05 (both) or"
-                " --tolerance 0.02,0.05 (final loss, weights)"
-            )
-        return cls(values[0], values[-1])
-
-
-@dataclasses.dataclass(frozen=True)
-class Metric:
-    """``--metric NAME[:TOL]``: a metric the script logs in validation or test, which must be close for a candidate to
-    be close. ``TOL`` is the largest difference from the baseline's value (``0.005``) or, ending in ``%``, relative to
-    it (``1%``); without it, the loss tolerance's default, relative."""
-
-    name: str
-    absolute: float | None = None
-    relative: float = Tolerance().loss
-
-    @classmethod
-    def parse(cls, text: str) -> Metric:
-        """An argparse ``type``."""
-        name, separator, tolerance = text.partition(":")
-        fix = "Fix: e.g. --metric val_acc (within 2% of the baseline's), val_acc:0.005 or val_acc:1%"
-        if not re.fullmatch(r"[^\s:]+", name):
-            raise argparse.ArgumentTypeError(f"--metric={text!r}: no metric name before the ':'. {fix}")
-        if not separator:
-            return cls(name)
-        try:
-            value = float(tolerance[:-1]) / 100 if tolerance.endswith("%") else float(tolerance)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value >= 0):
-            raise argparse.ArgumentTypeError(
-                f"--metric={text!r}: the tolerance {tolerance!r} is not a number of 0 or more. {fix}"
-            )
-        return cls(name, None, value) if tolerance.endswith("%") else cls(name, value)
-
-    def tolerance_text(self) -> str:
-        return f"{self.absolute:g}" if self.absolute is not None else f"{100 * self.relative:g}%"
-
-    def within(self, value: float, baseline: float) -> bool:
-        limit = self.absolute if self.absolute is not None else self.relative * abs(baseline)
-        return math.isfinite(value) and abs(value - baseline) <= limit
 
 
 @dataclasses.dataclass
@@ -245,16 +151,16 @@ def build(
     final_weights = {}
     for candidate, entry in compared:
         weights = final_weights[candidate.name] = torch.load(candidate.directory / FINAL_WEIGHTS)
-        entry["summary"] = _summary(entry, base_entry, weights, base_weights, start)
+        entry["summary"] = summarize(entry, base_entry, weights, base_weights, start)
     noise = next((e for c, e in compared if c.role == NOISE_FLOOR), None)
-    report["noise_floor"] = None if noise is None else _noise_floor(noise)
-    report["spread"] = widths = _spread(base_entry, noise)
+    report["noise_floor"] = None if noise is None else noise_floor(noise)
+    report["spread"] = widths = spread(base_entry, noise)
     report["problem"] = _missing_metric(base_entry["evaluations"], metrics)
     for candidate, entry in compared:
         summary, series = entry["summary"], entry["series"]
         assert summary is not None and series is not None
-        summary["step_time_call"] = _call(summary["step_time_ratio"], widths["step_time"])
-        summary["peak_memory_call"] = _call(summary["peak_memory_ratio"], widths["peak_memory"])
+        summary["step_time_call"] = call(summary["step_time_ratio"], widths["step_time"])
+        summary["peak_memory_call"] = call(summary["peak_memory_ratio"], widths["peak_memory"])
         if candidate is baseline:
             entry["status"], entry["reason"] = BASELINE, "the baseline"
             continue
@@ -356,217 +262,6 @@ def _overflows(ranks: list[dict[str, Any]]) -> list[Overflow]:
     return [found[step] for step in sorted(found)]
 
 
-def _summary(
-    entry: CandidateEntry,
-    base_entry: CandidateEntry,
-    weights: dict[str, torch.Tensor],
-    base_weights: dict[str, torch.Tensor],
-    start: dict[str, torch.Tensor],
-) -> Summary:
-    """A recorded run's numbers against the baseline's; sets the differences and the final distance in its series.
-
-    The verdict's parts (``first_step_apart``, ``explanation``, the calls against the spread) are left for the report.
-    """
-    series, base = entry["series"], base_entry["series"]
-    assert series is not None and base is not None
-    ran = set(series["step"])
-    common = [step for step in base["step"] if step in ran]
-    ours = dict(zip(series["step"], series["loss"], strict=True))
-    theirs = dict(zip(base["step"], base["loss"], strict=True))
-    differences: list[float] = [_relative(ours[step], theirs[step]) for step in common]  # type: ignore[misc]
-    by_step = dict(zip(common, differences, strict=True))
-    series["relative_loss_difference"] = [by_step.get(step) for step in series["step"]]
-    tail = max(1, len(common) // 10)
-    final = _mean([ours[step] for step in common[-tail:]])
-    base_final = _mean([theirs[step] for step in common[-tail:]])
-    skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
-    submodules = _submodule_distances(weights, base_weights, start)
-    distance = weight_distance(weights, base_weights, start)
-    if series["step"]:
-        series["weight_distance"].append([series["step"][-1] + 1, distance])
-    times, base_times = _step_times(series), _step_times(base)
-    memory = entry["peak_memory_bytes"]
-    return {
-        "final_loss": final,
-        "final_loss_relative_difference": _relative(final, base_final),
-        "max_relative_loss_difference": max(differences, default=None),
-        "mean_relative_loss_difference": _mean(differences) if differences else None,
-        "first_step_apart": None,
-        "explanation": None,
-        "weight_distance": distance,
-        "submodule_distances": sorted(submodules, key=lambda s: -_order(s["distance"]))[:3],
-        "metrics": _metrics(entry["evaluations"], base_entry["evaluations"]),
-        "skipped_steps": skipped,
-        "final_loss_scale": series["loss_scale"][-1] if series["loss_scale"] else None,
-        "scale_trend": _scale_trend(series, entry["overflows"]),
-        "step_time_s": times,
-        "median_step_time_s": times["median"] if times else None,
-        "step_time_ratio": _ratio(times["median"], base_times["median"]) if times and base_times else None,
-        "step_time_call": None,
-        "peak_memory_bytes": memory,
-        "peak_memory_ratio": _ratio(memory, base_entry["peak_memory_bytes"]),
-        "peak_memory_call": None,
-    }
-
-
-def _step_times(series: Series) -> StepTimes | None:
-    """Median and quartiles of :func:`~lightning_ddp_amp.compare.recording.timed_steps` (all steps when that leaves none); None without a finite time."""
-    times = [t for _, t in timed_steps(series) if t is not None and math.isfinite(t)] or [
-        t for t in series["step_time_s"] if t is not None and math.isfinite(t)
-    ]
-    if not times:
-        return None
-    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return {"median": statistics.median(times), "p25": quartiles[0], "p75": quartiles[2]}
-
-
-def _last_values(evaluations: list[Evaluation]) -> dict[str, tuple[float, Stage]]:
-    """Each metric's value in the last validation or test run that logged it, and that run's stage."""
-    values: dict[str, tuple[float, Stage]] = {}
-    for evaluation in evaluations:
-        for name, value in evaluation["metrics"].items():
-            values[name] = (value, evaluation["stage"])
-    return values
-
-
-def _metrics(evaluations: list[Evaluation], base: list[Evaluation]) -> dict[str, MetricSummary]:
-    """Each metric's last value (from the last validation or test run that logged it) beside the baseline's."""
-    ours, theirs = _last_values(evaluations), _last_values(base)
-    found: dict[str, MetricSummary] = {}
-    for name in sorted(ours.keys() | theirs.keys()):
-        value, stage = ours[name] if name in ours else (None, theirs[name][1])
-        baseline = theirs[name][0] if name in theirs else None
-        found[name] = {
-            "stage": stage,
-            "value": value,
-            "baseline": baseline,
-            "difference": None if value is None or baseline is None else value - baseline,
-            "relative_difference": _relative(value, baseline),
-        }
-    return found
-
-
-def _scale_trend(series: Series, overflows: list[Overflow]) -> ScaleTrend | None:
-    """How the loss scale fared after overflows: whether training went on, and whether the model is the problem."""
-    skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
-    if not skipped and not overflows:
-        return None
-    scales = [(step, s) for step, s in zip(series["step"], series["loss_scale"], strict=True) if s is not None]
-    lowest = min(scales, key=lambda pair: pair[1], default=None)
-    taken_after = [
-        step for step, flag in zip(series["step"], series["skipped"], strict=True) if not flag and step > max(skipped)
-    ] if skipped else []  # fmt: skip
-    recovered = bool(skipped) and bool(taken_after)
-    tail = series["skipped"][-3:]
-    model_problem = (lowest is not None and lowest[1] < MODEL_PROBLEM_SCALE) or (len(tail) == 3 and all(tail))
-    located = next((o for o in reversed(overflows) if o["module"] is not None), None)
-    advice = None
-    if model_problem:
-        where = (
-            f"{located['module']} ({located['phase']}: {located['tensor']}, {located['dtype']})"
-            if located
-            else "an unlocated module"
-        )
-        fell = f"to {lowest[1]:g} at step {lowest[0]}" if lowest else "on every step at the end"
-        advice = (
-            f"the loss scale kept falling ({fell}): a model problem, not fp16's rounding: {where} overflows even with"
-            " the loss unscaled. Fix: keep that module in fp32 (torch AMP: run it under"
-            " torch.autocast(device_type, enabled=False) on .float() inputs; apex O1: amp.register_float_function),"
-            " look for weights or activations that grow (learning rate, missing normalization), or train in"
-            " bf16-mixed (fp32's range, no loss scale)"
-        )
-    return {
-        "lowest_loss_scale": None if lowest is None else lowest[1],
-        "lowest_at_step": None if lowest is None else lowest[0],
-        "recovered": recovered,
-        "model_problem": model_problem,
-        "advice": advice,
-    }
-
-
-def _noise_floor(noise: CandidateEntry) -> NoiseFloor:
-    """The distances of the noise-floor run, said beside every candidate's."""
-    summary, series = noise["summary"], noise["series"]
-    assert summary is not None and series is not None
-    return {
-        "candidate": noise["name"],
-        "weight_distance": summary["weight_distance"],
-        "weight_distances": series["weight_distance"],
-        "final_loss_relative_difference": summary["final_loss_relative_difference"],
-        "max_relative_loss_difference": summary["max_relative_loss_difference"],
-        "step_time_ratio": summary["step_time_ratio"],
-        "peak_memory_ratio": summary["peak_memory_ratio"],
-    }
-
-
-def _spread(base: CandidateEntry, noise: CandidateEntry | None) -> Spread:
-    """How much step time and peak memory move with nothing changed (module docstring)."""
-    assert base["summary"] is not None and base["series"] is not None
-    times = base["summary"]["step_time_s"]
-    timed = sum(1 for _, t in timed_steps(base["series"]) if t is not None and math.isfinite(t))
-    over_steps = None  # fewer timed steps have no spread to speak of: no ratio is called faster or slower on them
-    if times and times["median"] and timed >= MIN_TIMED_STEPS:
-        over_steps = (times["p75"] - times["p25"]) / (2 * times["median"])
-    between_time = between_memory = None
-    if noise is not None:
-        assert noise["summary"] is not None
-        ratio, memory = noise["summary"]["step_time_ratio"], noise["summary"]["peak_memory_ratio"]
-        between_time = None if ratio is None else abs(ratio - 1)
-        between_memory = None if memory is None else abs(memory - 1)
-    step_time = max((v for v in (over_steps, between_time) if v is not None), default=None)
-    return {
-        "step_time": step_time,
-        "step_time_over_steps": over_steps,
-        "step_time_between_baseline_runs": between_time,
-        "peak_memory": between_memory,
-    }
-
-
-def _call(ratio: float | None, width: float | None) -> Call | None:
-    """Whether a ratio is above or below ``1 ± width`` (a spread), or within it; None without either."""
-    if ratio is None or width is None:
-        return None
-    if ratio > 1 + width:
-        return ABOVE
-    if ratio < 1 - width:
-        return BELOW
-    return WITHIN_THE_SPREAD
-
-
-def _submodule_distances(
-    weights: dict[str, torch.Tensor], base: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
-) -> list[SubmoduleDistance]:
-    groups: dict[str, list[str]] = {}
-    for name in weights:
-        groups.setdefault(name.rpartition(".")[0] or name, []).append(name)
-    return [
-        {"name": module, "distance": weight_distance(weights, base, start, names)} for module, names in groups.items()
-    ]
-
-
-def _relative(value: float | None, reference: float | None) -> float | None:
-    """``|value - reference| / |reference|``; infinite where either is not finite, None where either is None."""
-    if value is None or reference is None:
-        return None
-    if not (math.isfinite(value) and math.isfinite(reference)):
-        return math.inf
-    if reference == 0:
-        return 0.0 if value == 0 else math.inf
-    return abs(value - reference) / abs(reference)
-
-
-def _ratio(value: float, reference: float) -> float | None:
-    return value / reference if reference else None
-
-
-def _mean(values: list[float]) -> float:
-    return math.fsum(values) / len(values) if values else math.nan
-
-
-def _order(value: float | None) -> float:
-    return -1.0 if value is None else math.inf if math.isnan(value) else value
-
-
 def _incomparable(candidates: list[Candidate], records: Sequence[dict[str, Any] | None]) -> str | None:
     """What makes the recorded runs unlike the baseline's, with the fix; None when they all started alike."""
     baseline, base = candidates[0], records[0]
@@ -606,7 +301,7 @@ def missing_metric(baseline: Candidate, metrics: Sequence[Metric]) -> str | None
 
 def _missing_metric(evaluations: list[Evaluation], metrics: Sequence[Metric]) -> str | None:
     """A ``--metric`` the baseline never logged: the verdict cannot use it."""
-    logged = sorted(_last_values(evaluations))
+    logged = sorted(last_values(evaluations))
     for metric in metrics:
         if metric.name not in logged:
             return (
