@@ -24,7 +24,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp_amp.compare.recorder import Changes, Plan, Recording
+from lightning_ddp_amp.compare.recording import Changes, Recording
+from lightning_ddp_amp.compare.run_folder import Plan
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP = 20
@@ -66,7 +67,9 @@ def fit(recorded: bool, args: argparse.Namespace, folder: str) -> float:
     callbacks: list[Any] = [clock]
     if recorded:
         plan = Plan("benchmark", args.precision, args.steps, folder)
-        callbacks.append(type("CompareRecording", (Recording, L.Callback), {"_pl": L.pytorch})(plan, Changes()))
+        recording = type("CompareRecording", (Recording, L.Callback), {})
+        # No checkpoints to point into the run's folder, and no validation run to read metrics from.
+        callbacks.append(recording(plan, Changes(), lambda trainer: None, lambda trainer: {}))
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,

@@ -16,25 +16,32 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
+from copy import deepcopy
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, UnionType
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import typing_extensions
 from conftest import CPU_FP16_MISSING, DOUBLES, WORKERS, needs_cpu_fp16, worker_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 import lightning_ddp_amp
 from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfigurationError, compare
+from lightning_ddp_amp.compare import patching as compare_patching
 from lightning_ddp_amp.compare import picture as compare_picture
-from lightning_ddp_amp.compare import recorder as compare_recorder
+from lightning_ddp_amp.compare import recording as compare_recording
 from lightning_ddp_amp.compare import report as compare_report
+from lightning_ddp_amp.compare import schema as compare_schema
+from lightning_ddp_amp.compare import summary as compare_summary
 from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.recorder import FINAL_WEIGHTS, PLAN_VARIABLE
 from lightning_ddp_amp.compare.report import Candidate
+from lightning_ddp_amp.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
+from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
 
 REPO = Path(__file__).parent.parent
 SCRIPT = str(WORKERS / "compare_train.py")
@@ -149,7 +156,7 @@ def test_a_candidate_apart_exits_1_and_names_the_first_step_it_left_the_toleranc
 
 
 def test_each_record_holds_the_hash_of_the_first_batch_its_run_trained(learning_rates: LearningRates) -> None:
-    # The recorder's side of the first-batch check (the report's side: a hand-edited record, below). The script's
+    # The recording's side of the first-batch check (the report's side: a hand-edited record, below). The script's
     # loader does not shuffle: the first batch is the dataset's first 8 (x, y, index) triples.
     sys.path.insert(0, str(WORKERS))
     try:
@@ -166,7 +173,7 @@ def test_each_record_holds_the_hash_of_the_first_batch_its_run_trained(learning_
 
 
 def test_each_record_holds_the_hash_of_the_weights_its_run_started_from(learning_rates: LearningRates) -> None:
-    # The recorder's side of the same-start check (the report's side: a hand-edited record, below): the model as the
+    # The recording's side of the same-start check (the report's side: a hand-edited record, below): the model as the
     # script builds it, seeded; unseeded, it would be another model.
     sys.path.insert(0, str(WORKERS))
     try:
@@ -199,7 +206,7 @@ def test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1(
         )
         for name in ("32-true", "32-true#3")
     ]
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert [entry["status"] for entry in report["candidates"]] == ["baseline", "apart"]
     assert report["problem"] is None
     assert compare_report.write(report, tmp_path) == 1  # compare's exit status
@@ -443,17 +450,15 @@ def test_the_report_sets_each_metrics_last_value_beside_the_baselines_and_metric
         Candidate(e["name"], e["precision"], e["command"], Path(e["directory"]), returncode=0, role=e["role"])
         for e in (base, native)
     ]
-    tight = compare_report.Metric("test_loss", difference * 0.99)
-    apart = compare_report.build(runs, compare_report.Tolerance(1, 1), steps=STEPS, argv=[], metrics=[tight])
+    tight = Metric("test_loss", difference * 0.99)
+    apart = compare_report.build(runs, Tolerance(1, 1), steps=STEPS, argv=[], metrics=[tight])
     assert apart["candidates"][1]["status"] == "apart"
     assert (
         f"test_loss {native['summary']['metrics']['test_loss']['value']:.6g} against the baseline's"
         in (apart["candidates"][1]["reason"])
     )
-    loose = compare_report.Metric(
-        "test_loss", None, 1.01 * difference / abs(base["summary"]["metrics"]["test_loss"]["value"])
-    )
-    close = compare_report.build(runs, compare_report.Tolerance(1, 1), steps=STEPS, argv=[], metrics=[loose])
+    loose = Metric("test_loss", None, 1.01 * difference / abs(base["summary"]["metrics"]["test_loss"]["value"]))
+    close = compare_report.build(runs, Tolerance(1, 1), steps=STEPS, argv=[], metrics=[loose])
     assert close["candidates"][1]["status"] == "close"
 
 
@@ -489,8 +494,8 @@ def test_a_metric_the_baseline_never_logged_is_a_problem_naming_those_it_did(
     base = candidate(overflows.report, "32-true")
     runs = [Candidate("32-true", "32-true", ["python"], Path(base["directory"]), returncode=0)]
     runs.append(Candidate("again", "32-true", ["python"], Path(base["directory"]), returncode=0))
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[], metrics=[
-        compare_report.Metric("val_acc")
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[], metrics=[
+        Metric("val_acc")
     ])  # fmt: skip
     assert report["problem"] == (
         "--metric='val_acc': the baseline logged no such metric in validation or test (it logged: test_loss, val_loss,"
@@ -546,7 +551,7 @@ def falling(overflows: Overflows, root: Path) -> list[Candidate]:
 def test_a_loss_scale_that_keeps_falling_is_called_a_model_problem_naming_the_module_and_the_fixes(
     overflows: Overflows, tmp_path: Path
 ) -> None:
-    report = compare_report.build(falling(overflows, tmp_path), compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(falling(overflows, tmp_path), Tolerance(), steps=STEPS, argv=[])
     entry = report["candidates"][1]
     assert entry["status"] == "apart"
     trend = entry["summary"]["scale_trend"]
@@ -608,11 +613,11 @@ def test_step_time_and_memory_are_called_faster_or_slower_only_outside_their_spr
 def test_a_baseline_with_fewer_than_four_timed_steps_has_no_step_time_spread_and_calls_nothing() -> None:
     def entry(times: list[float]) -> dict[str, Any]:
         series = {"step": list(range(len(times))), "step_time_s": times, "slowed_steps": []}
-        return {"series": series, "summary": {"step_time_s": compare_report._step_times(series)}}
+        return {"series": series, "summary": {"step_time_s": compare_summary.step_times(series)}}
 
-    assert compare_report._spread(entry([0.5, 0.01, 0.01, 0.01]), None)["step_time"] is None  # 3 timed: quartiles 0
-    assert compare_report._call(1.5, None) is None
-    spread = compare_report._spread(entry([0.5, 0.01, 0.01, 0.02, 0.02]), None)["step_time"]
+    assert compare_summary.spread(entry([0.5, 0.01, 0.01, 0.01]), None)["step_time"] is None  # 3 timed: quartiles 0
+    assert compare_summary.call(1.5, None) is None
+    spread = compare_summary.spread(entry([0.5, 0.01, 0.01, 0.02, 0.02]), None)["step_time"]
     assert spread == pytest.approx((0.02 - 0.01) / (2 * 0.015))
 
 
@@ -649,8 +654,8 @@ def test_the_terminal_report_fits_100_columns_with_four_candidates_and_a_noise_f
         runs.insert(1 + index, Candidate(name, entry["precision"], [], tmp_path / name, returncode=0, role=role))
     (tmp_path / "crashed").mkdir()
     runs.append(Candidate("crashed", "native-O1", [], tmp_path / "crashed", returncode=1))
-    built = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[], metrics=[
-        compare_report.Metric("val_within", 0.001)
+    built = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[], metrics=[
+        Metric("val_within", 0.001)
     ])  # fmt: skip
     assert [e["role"] for e in built["candidates"]].count("candidate") == 4
     lines = terminal.render(built).splitlines()
@@ -660,6 +665,30 @@ def test_the_terminal_report_fits_100_columns_with_four_candidates_and_a_noise_f
 def test_the_overflows_noise_floor_and_metrics_follow_the_documented_schema(overflows: Overflows) -> None:
     assert_matches(overflows.report, SCHEMA)
     assert overflows.report["hardware"].startswith(("CPU ", "NVIDIA", "AMD"))
+
+
+def test_the_typed_shapes_of_compare_json_have_the_documented_schemas_keys_and_enums() -> None:
+    # Every TypedDict and every Literal of compare/schema.py is reached from the report's, at its place in the schema.
+    typed_dicts, literals = set(), set()
+    assert disagreements(compare_schema.Report, SCHEMA, "compare.json", typed_dicts, literals) == []
+    assert typed_dicts == {v for v in vars(compare_schema).values() if typing_extensions.is_typeddict(v)}
+    assert literals == {v for v in vars(compare_schema).values() if typing.get_origin(v) is typing.Literal}
+
+
+@pytest.mark.parametrize(
+    ("change", "found"),
+    [
+        (lambda summary: summary["properties"].update(median=summary["properties"]["final_loss"]), "keys"),
+        (lambda summary: summary["required"].remove("final_loss"), "required"),
+        (lambda summary: summary["properties"]["step_time_call"]["enum"].remove("below"), "enum"),
+        (lambda summary: summary["properties"]["final_loss"].update(type="string"), "type"),
+    ],
+)
+def test_a_key_an_enum_value_or_a_type_on_one_side_only_is_a_disagreement(change: Any, found: str) -> None:
+    schema = deepcopy(SCHEMA)
+    change(schema["properties"]["candidates"]["items"]["properties"]["summary"])
+    (said,) = disagreements(compare_schema.Report, schema, "compare.json", set(), set())
+    assert said.startswith("compare.json.candidates[].summary") and f" {found} " in said, said
 
 
 @pytest.mark.multiprocess
@@ -858,7 +887,7 @@ def test_a_failed_baseline_leaves_nothing_to_compare(learning_rates: LearningRat
         Candidate("broken", "apex-O1", ["python", "t.py"], tmp_path / "1-broken", returncode=1),
         Candidate("ok", "32-true", ["python", "t.py"], tmp_path / "2-ok", returncode=0),
     ]
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert report["problem"] == "the baseline broken failed, so there is nothing to compare against"
     assert [(e["status"], e["reason"]) for e in report["candidates"]] == [
         ("failed", "the command exited with status 1 (its output is above)"),
@@ -908,7 +937,7 @@ def test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_th
     record = json.loads(path.read_text())
     change(record)
     path.write_text(json.dumps(record))
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert report["problem"] == problem
     assert [entry["status"] for entry in report["candidates"]] == ["not compared", "not compared"]
     assert all(entry["summary"] is None for entry in report["candidates"])
@@ -939,7 +968,7 @@ def test_a_first_step_apart_right_after_a_skip_in_one_run_says_so_and_names_the_
         rank["loss"] = rank["loss"][:4] + [loss * 1.5 for loss in rank["loss"][4:]]
 
     edit_record(runs[1], skip_step_3)
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     other = report["candidates"][1]
     assert other["status"] == "apart" and other["summary"]["first_step_apart"] == 4
     assert other["summary"]["explanation"] == (
@@ -951,7 +980,7 @@ def test_a_first_step_apart_right_after_a_skip_in_one_run_says_so_and_names_the_
     # A skip in both runs explains nothing.
     edit_record(runs[0], lambda rank: rank["skipped"].__setitem__(3, True))
     again = [Candidate(run.name, run.precision, run.command, run.directory, returncode=0) for run in runs]
-    summary = compare_report.build(again, compare_report.Tolerance(), steps=STEPS, argv=[])["candidates"][1]["summary"]
+    summary = compare_report.build(again, Tolerance(), steps=STEPS, argv=[])["candidates"][1]["summary"]
     assert summary["first_step_apart"] == 4 and summary["explanation"] is None
 
 
@@ -969,7 +998,7 @@ def test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both(
     final: float | None, distance: float, status: str
 ) -> None:
     summary = {"final_loss_relative_difference": final, "weight_distance": distance}
-    assert compare_report._verdict(summary, compare_report.Tolerance(loss=0.02, weights=0.05))[0] == status
+    assert compare_report._verdict(summary, Tolerance(loss=0.02, weights=0.05))[0] == status
 
 
 def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
@@ -977,7 +1006,7 @@ def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
 ) -> None:
     runs = recorded_copies(learning_rates, tmp_path)
     (runs[1].directory / "record.json").unlink()
-    report = compare_report.build(runs, compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
     assert candidate(report, "other")["reason"] == (
         "the command finished without a record: it never completed a Trainer.fit of lightning or pytorch_lightning,"
         " or its Python ignored PYTHONPATH (python -E or -I)"
@@ -989,7 +1018,7 @@ def test_a_run_that_fails_after_its_fit_keeps_the_fits_steps_and_evaluations(
 ) -> None:
     base, other = recorded_copies(learning_rates, tmp_path)
     failed = Candidate("other", "32-true", other.command, other.directory, returncode=1)  # e.g. its trainer.test raised
-    report = compare_report.build([base, failed], compare_report.Tolerance(), steps=STEPS, argv=[])
+    report = compare_report.build([base, failed], Tolerance(), steps=STEPS, argv=[])
     entry, baseline = candidate(report, "other"), candidate(report, "base")
     assert entry["status"] == "failed" and entry["reason"].startswith("the command exited with status 1")
     assert entry["series"]["loss"] == baseline["series"]["loss"] and len(entry["series"]["step"]) == STEPS
@@ -1073,10 +1102,10 @@ def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callab
             raise AssertionError("the remote logger was called")
 
     given: dict[str, Any] = {"logger": [pl.loggers.CSVLogger("script_logs", name="mine"), Remote()]}
-    changes = compare_recorder.Changes()
-    plan = compare_recorder.Plan("c", "32-true", 5, str(tmp_path))
-    defaults = compare_recorder._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
-    compare_recorder._replace_arguments(given, defaults, plan, changes, pl)
+    changes = compare_recording.Changes()
+    plan = Plan("c", "32-true", 5, str(tmp_path))
+    defaults = compare_patching._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
+    compare_patching._replace_arguments(given, defaults, plan, changes, pl)
     csv, dummy = given["logger"]
     assert (csv.save_dir, csv.name) == (str(tmp_path / "logs"), "mine")
     assert changes.turned_off == ["Remote"]
@@ -1093,7 +1122,7 @@ def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monke
     monkeypatch.setenv("PL_MYTRAINER_MAX_STEPS", "9")
     monkeypatch.setenv("PL_TRAINER_DEFAULT_ROOT_DIR", "")  # empty: Lightning ignores it
     for trainer_class, max_steps in ((pl.Trainer, 7), (MyTrainer, 9)):
-        defaults = compare_recorder._trainer_defaults(trainer_class, inspect.signature(trainer_class.__init__), pl)
+        defaults = compare_patching._trainer_defaults(trainer_class, inspect.signature(trainer_class.__init__), pl)
         built = trainer_class(logger=False, enable_checkpointing=False)
         assert defaults["max_steps"] == built.max_steps == max_steps
         assert defaults["default_root_dir"] is None
@@ -1101,9 +1130,9 @@ def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monke
 
 
 def test_a_script_amp_precision_a_level_refuses_keeps_only_models_and_num_losses() -> None:
-    changes = compare_recorder.Changes()
+    changes = compare_recording.Changes()
     configured = AmpPrecision(opt_level="O2", backend="native", keep_batchnorm_fp32=True, num_losses=2)
-    built = compare_recorder._amp_plugin(pl, "O1", "native", configured, changes)
+    built = compare_patching._amp_plugin(pl, "O1", "native", configured, changes)
     assert (built.opt_level, built.num_losses, built.keep_batchnorm_fp32) == ("O1", 2, None)
     assert changes.replaced[0].startswith("kept only models and num_losses of the script's AmpPrecision (")
 
@@ -1120,7 +1149,7 @@ def test_an_error_other_than_a_precision_setting_refused_is_not_retried(monkeypa
     monkeypatch.setattr(lightning_ddp_amp, "AmpPrecision", Broken)
     configured = AmpPrecision(opt_level="O1", backend="native")
     with pytest.raises(RuntimeError, match="broken"):
-        compare_recorder._amp_plugin(pl, "O2", "native", configured, compare_recorder.Changes())
+        compare_patching._amp_plugin(pl, "O2", "native", configured, compare_recording.Changes())
 
 
 class RestoresAfterSetup(SingleDeviceStrategy):
@@ -1136,8 +1165,8 @@ def test_a_strategy_that_restores_checkpoints_after_its_setup_is_refused_when_th
 ) -> None:
     for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
         monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
-    compare_recorder.Plan("c", "32-true", 5, str(tmp_path)).write(tmp_path / "plan.json")
-    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    Plan("c", "32-true", 5, str(tmp_path)).write(tmp_path / "plan.json")
+    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     pl.Trainer(strategy=SingleDeviceStrategy("cpu"), logger=False)
     with pytest.raises(StrategyConfigurationError) as raised:
         pl.Trainer(strategy=RestoresAfterSetup("cpu"), logger=False)
@@ -1150,10 +1179,10 @@ def test_a_strategy_that_restores_checkpoints_after_its_setup_is_refused_when_th
 
 
 def test_lightnings_strategies_that_restore_after_setup_are_refused_and_the_others_pass() -> None:
-    compare_recorder.check_restores_before_setup(pl.strategies.DDPStrategy())
-    compare_recorder.check_restores_before_setup(EnvDDPStrategy())
+    compare_patching.check_restores_before_setup(pl.strategies.DDPStrategy())
+    compare_patching.check_restores_before_setup(EnvDDPStrategy())
     with pytest.raises(StrategyConfigurationError, match=r"^strategy='FSDPStrategy': "):
-        compare_recorder.check_restores_before_setup(pl.strategies.FSDPStrategy())
+        compare_patching.check_restores_before_setup(pl.strategies.FSDPStrategy())
 
 
 @needs_cpu_fp16
@@ -1162,7 +1191,7 @@ def test_the_final_weights_of_apex_o2_are_its_fp32_masters(apex_double: ModuleTy
 
     trainer = fit(TwoModels(), precision="apex-O2")
     plugin, module = trainer.precision_plugin, trainer.lightning_module
-    weights = compare_recorder._trained_weights(module, plugin)
+    weights = compare_recording._trained_weights(module, plugin)
     masters = {id(param): master for param, master in plugin.amp_backend.master_weight_pairs()}
     assert masters and all(param.dtype == torch.float16 for name, param in module.named_parameters())
     for name, param in module.named_parameters():
@@ -1175,15 +1204,15 @@ def test_a_scaler_not_yet_used_reads_its_initial_scale_so_an_overflow_at_the_fir
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    before = compare_recorder._loss_scale(plugin)  # what the recorder reads before the first backward
+    before = compare_recording._loss_scale(plugin)  # what the recording reads before the first backward
     weight = torch.nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([weight], lr=1.0)
     plugin.scaler.scale((weight * float("inf")).sum()).backward()
     plugin.scaler.step(optimizer)
     plugin.scaler.update()
-    after = compare_recorder._loss_scale(plugin)
+    after = compare_recording._loss_scale(plugin)
     assert isinstance(before, torch.Tensor) and float(before) == 1024.0
-    assert isinstance(after, torch.Tensor) and bool(after < before)  # the recorder's skip: the scaler backed off
+    assert isinstance(after, torch.Tensor) and bool(after < before)  # the recording's skip: the scaler backed off
     assert torch.equal(weight.detach(), torch.ones(1))
 
 
@@ -1197,13 +1226,13 @@ def test_a_later_trainers_test_joins_the_first_fits_record_and_a_second_fit_reco
         sys.path.remove(str(WORKERS))
     for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
         monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
-    compare_recorder.Plan("c", "32-true", 6, str(tmp_path)).write(tmp_path / "plan.json")
-    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    Plan("c", "32-true", 6, str(tmp_path)).write(tmp_path / "plan.json")
+    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
     model, loader = build(0.1)
     test_loader = torch.utils.data.DataLoader(list(loader.dataset)[:16], batch_size=8)
     pl.Trainer(max_epochs=50, default_root_dir=tmp_path, **quiet).fit(model, loader)
-    record = tmp_path / compare_recorder.RECORD_FILE
+    record = tmp_path / RECORD_FILE
     fitted = json.loads(record.read_text())
     final = (tmp_path / FINAL_WEIGHTS).read_bytes()
     tested = pl.Trainer(devices=1, default_root_dir=tmp_path, **quiet).test(model, test_loader)  # Lightning's advice
@@ -1237,18 +1266,18 @@ def test_snapshots_are_taken_at_the_first_batch_past_them_when_the_step_goes_up_
 ) -> None:
     for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
         monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
-    plan = compare_recorder.Plan(  # the baseline: it keeps its weights at each snapshot
+    plan = Plan(  # the baseline: it keeps its weights at each snapshot
         "c", "32-true", 6, str(tmp_path), save_start=True, snapshots=(3, 5), baseline_directory=str(tmp_path)
     )
     plan.write(tmp_path / "plan.json")
-    compare_recorder.patch("lightning", str(tmp_path / "plan.json"))
+    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
     quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
     pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet).fit(TwoOptimizers(), loader)
     saved = sorted(path.name for path in tmp_path.glob("weights-step*.pt"))
-    assert saved == [compare_recorder.snapshot_file(4), compare_recorder.snapshot_file(6)]
-    rank = json.loads((tmp_path / compare_recorder.RECORD_FILE).read_text())["ranks"][0]
+    assert saved == [snapshot_file(4), snapshot_file(6)]
+    rank = json.loads((tmp_path / RECORD_FILE).read_text())["ranks"][0]
     assert rank["slowed_steps"] == [4, 6] and rank["step"][-1] == 5
 
 
@@ -1260,8 +1289,52 @@ def test_a_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:
     assert result.stdout.split() == ["True", "_record_uncaught"], result.stderr[-2000:]
 
 
+def disagreements(
+    hint: Any, schema: dict[str, Any], where: str, typed_dicts: set[Any], literals: set[Any]
+) -> list[str]:
+    """Where the type ``hint`` and the JSON schema ``schema`` disagree: a TypedDict's keys and required keys against
+    the object's ``properties`` and ``required``, a Literal's values against the ``enum``, a plain type against the
+    ``type``; lists and mappings item by item. Records each TypedDict and Literal it reached."""
+    union = typing.get_origin(hint) in (typing.Union, UnionType)
+    nullable = union and type(None) in typing.get_args(hint)
+    if union:
+        (hint,) = [each for each in typing.get_args(hint) if each is not type(None)]  # every union here is X | None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        literals.add(hint)
+        values = {*args, *([None] if nullable else [])}
+        return (
+            [] if values == set(schema.get("enum", ())) else [f"{where}: the enum {schema.get('enum')} is not {values}"]
+        )
+    if "enum" in schema:
+        return [f"{where}: the enum {schema['enum']} is not a Literal"]
+    kinds = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+    kind = "object" if typing_extensions.is_typeddict(hint) else kinds[origin or hint]
+    allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    integer_as_number = kind == "integer" and "number" in allowed
+    if (kind not in allowed and not integer_as_number) or (nullable and "null" not in allowed):
+        return [f"{where}: the type {allowed} is not {kind}{' or null' if nullable else ''}"]
+    if origin is list:
+        return disagreements(args[0], schema["items"], f"{where}[]", typed_dicts, literals)
+    if origin is dict:
+        return disagreements(args[1], schema["additionalProperties"], f"{where}.*", typed_dicts, literals)
+    if kind != "object":
+        return []
+    typed_dicts.add(hint)
+    keys, properties = typing.get_type_hints(hint), schema.get("properties", {})
+    found = []
+    if keys.keys() != properties.keys():
+        found.append(f"{where}: keys {sorted(keys.keys() ^ properties.keys())} are on one side only")
+    if hint.__required_keys__ != set(schema.get("required", ())):
+        found.append(f"{where}: required {sorted(hint.__required_keys__ ^ set(schema.get('required', ())))} differ")
+    for key in keys.keys() & properties.keys():
+        found += disagreements(keys[key], properties[key], f"{where}.{key}", typed_dicts, literals)
+    return found
+
+
 def assert_matches(value: Any, schema: dict[str, Any], where: str = "compare.json") -> None:
-    """A small JSON Schema check (type, enum, required, properties, items): enough for docs/compare.schema.json."""
+    """A small JSON Schema check (type, enum, required, properties, additionalProperties, items): enough for
+    docs/compare.schema.json."""
     types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
     if "enum" in schema:
         assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
@@ -1282,6 +1355,9 @@ def assert_matches(value: Any, schema: dict[str, Any], where: str = "compare.jso
         for key, sub in schema.get("properties", {}).items():
             if key in value:
                 assert_matches(value[key], sub, f"{where}.{key}")
+        for key in value.keys() - schema.get("properties", {}).keys():
+            if "additionalProperties" in schema:
+                assert_matches(value[key], schema["additionalProperties"], f"{where}.{key}")
     elif isinstance(value, list) and "items" in schema:
         for index, item in enumerate(value):
             assert_matches(item, schema["items"], f"{where}[{index}]")

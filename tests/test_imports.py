@@ -42,7 +42,7 @@ NOT_LIGHTNING = {
     "_amp_lazy_init": "apex amp's optimizer hook",
     "_amp_state": "apex amp's module state, which holds O1's handle",
     "_enable_caching": "apex amp's O1 handle: what amp.init(enable_caching=False) sets",
-    "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare.recorder)",
+    "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare.recording)",
     "_weights_only_unpickler": "torch's module of its weights-only unpickler (safe_load)",
     "_get_allowed_globals": "torch's weights-only allowlist, the one list of what a tensor is pickled with (safe_load)",
 }

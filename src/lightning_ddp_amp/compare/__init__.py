@@ -10,7 +10,8 @@ Each precision is a candidate; the first is the baseline. A precision is any ``T
 (``apex-O1``, ``amp-O1``, ``16-mixed``, ``bf16-mixed``, ``32-true``, ...) or, for compare only, ``native-O0`` …
 ``native-O3``: torch's own AMP at that apex level even where apex is installed (where ``amp-O*`` runs apex). The candidates run one after the other, each as the
 user's own command, unchanged: the script need not import this package. What changes inside each run, and what it
-records, is :mod:`lightning_ddp_amp.compare.recorder`'s. One command serves every candidate; with as many commands as
+records, is :mod:`lightning_ddp_amp.compare.patching`'s and :mod:`~lightning_ddp_amp.compare.recording`'s, in the run's
+folder (:mod:`~lightning_ddp_amp.compare.run_folder`). One command serves every candidate; with as many commands as
 candidates (each after its own ``--``), candidate *i* runs command *i*.
 
 Afterwards :mod:`lightning_ddp_amp.compare.report` checks that the runs are comparable, and reports each candidate
@@ -40,8 +41,10 @@ from typing import IO, TextIO
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.compare import report as compare_report
 from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.recorder import PLAN_VARIABLE, Plan
-from lightning_ddp_amp.compare.report import Candidate, Metric, Tolerance
+from lightning_ddp_amp.compare.report import Candidate
+from lightning_ddp_amp.compare.run_folder import OUTPUT_FILES, PLAN_FILE, PLAN_VARIABLE, Plan
+from lightning_ddp_amp.compare.schema import BASELINE, CANDIDATE, NOISE_FLOOR, Role
+from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
 from lightning_ddp_amp.errors import CheckpointError
 from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG
 
@@ -51,8 +54,6 @@ DEFAULT_STEPS = 200
 DEFAULT_SNAPSHOTS = 8
 #: Programs that start a training command, recognised when one is given without ``--``.
 LAUNCHERS = ("python", "python3", "torchrun", "srun", "mpirun", "accelerate", "deepspeed", "lightning")
-#: Each run's own output, kept in its folder (and shown as it comes): its standard output and error.
-OUTPUT_FILES = ("stdout.log", "stderr.log")
 #: Where ``sitecustomize`` waits for the script's Lightning import.
 SITE = Path(__file__).parent / "_site"
 
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"compare [{index + 1}/{len(candidates)}] {candidate.name}: {shlex.join(candidate.command)}", flush=True)
         plan = Plan(
             candidate.name, candidate.precision, args.steps, str(candidate.directory), ckpt, index == 0, first_step,
-            snapshots, str(candidates[0].directory), perturb=candidate.role == "noise floor",
+            snapshots, str(candidates[0].directory), perturb=candidate.role == NOISE_FLOOR,
         )  # fmt: skip
         candidate.returncode = _run(candidate, plan)
         if index == 0 and compare_report.missing_metric(candidate, args.metric):
@@ -257,16 +258,14 @@ def _candidates(
     runs = [
         (precision, commands[index] if len(commands) > 1 else commands[0]) for index, precision in enumerate(precisions)
     ]
-    roles = ["baseline"] + ["candidate"] * (len(runs) - 1)
+    roles: list[Role] = [BASELINE, *[CANDIDATE] * (len(runs) - 1)]
     if noise_floor:
         runs.insert(1, runs[0])
-        roles.insert(1, "noise floor")
+        roles.insert(1, NOISE_FLOOR)
     candidates: list[Candidate] = []
     for index, ((precision, command), role) in enumerate(zip(runs, roles, strict=True)):
-        repeat = [c.precision for c in candidates if c.role != "noise floor"].count(precision)
-        name = (
-            f"{precision}~noise" if role == "noise floor" else precision if not repeat else f"{precision}#{repeat + 1}"
-        )
+        repeat = [c.precision for c in candidates if c.role != NOISE_FLOOR].count(precision)
+        name = f"{precision}~noise" if role == NOISE_FLOOR else precision if not repeat else f"{precision}#{repeat + 1}"
         folder = out / f"{index + 1}-{re.sub(r'[^A-Za-z0-9._~-]+', '_', name)}"
         candidates.append(Candidate(name=name, precision=precision, command=command, directory=folder, role=role))
     return candidates
@@ -291,7 +290,7 @@ def _saved_step(ckpt: str, command_line: argparse.ArgumentParser, *, trusted: bo
 def _run(candidate: Candidate, plan: Plan) -> int:
     """Run the candidate's command with the compare site first on PYTHONPATH; returns its exit status."""
     candidate.directory.mkdir(parents=True)
-    plan_file = candidate.directory / "plan.json"
+    plan_file = candidate.directory / PLAN_FILE
     plan.write(plan_file)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])

@@ -14,7 +14,7 @@ ran into the top of the range). The re-run changes nothing of the training: it r
 (not the DDP wrapper, so no collective), takes gradients with ``torch.autograd.grad`` (so no ``.grad`` is touched),
 turns ``self.log`` off, and puts the buffers (batchnorm statistics) and the random state back afterwards.
 
-It costs nothing until a step overflows: the recorder only compares the step's gradient norm, which it computes
+It costs nothing until a step overflows: the recording only compares the step's gradient norm, which it computes
 anyway, with infinity. A step whose batch is one of several accumulated is re-run on its last batch only.
 """
 
@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ddp_amp.compare.schema import BACKWARD, FORWARD, LOSS, NOT_RE_RUN, NOT_REPRODUCED, Phase
+
 #: The most steps a run locates; each costs one more forward and backward of that step's batch.
 MAX_LOCATED = 20
 
@@ -36,7 +38,7 @@ def located(
     step: int,
     scale: float | None,
     *,
-    phase: str,
+    phase: Phase,
     module: str | None = None,
     tensor: str | None = None,
     dtype: str | None = None,
@@ -83,14 +85,14 @@ def locate(
     try:
         return _train_again(pl_module, batch, batch_idx, step, scale, rng, context)
     except Exception as error:  # the run under compare must not fail for its own instrument
-        return located(step, scale, phase="not re-run", note=f"training the batch again failed: {error!r}")
+        return located(step, scale, phase=NOT_RE_RUN, note=f"training the batch again failed: {error!r}")
 
 
 def _train_again(
     pl_module: Any, batch: Any, batch_idx: int, step: int, scale: float | None, rng: Any, context: Any
 ) -> dict[str, Any]:
     if not pl_module.automatic_optimization:
-        return located(step, scale, phase="not re-run", note="manual optimization steps inside training_step")
+        return located(step, scale, phase=NOT_RE_RUN, note="manual optimization steps inside training_step")
     device = torch.device(pl_module.device)
     cuda = [device] if device.type == "cuda" else []
     buffers = {name: buffer.detach().clone() for name, buffer in pl_module.named_buffers()}
@@ -103,14 +105,14 @@ def _train_again(
                 output = _training_step(pl_module, batch, batch_idx)
             loss = output.get("loss") if isinstance(output, dict) else output
             if watch.forward is not None:
-                return located(step, scale, phase="forward", **watch.forward)
+                return located(step, scale, phase=FORWARD, **watch.forward)
             if not isinstance(loss, Tensor) or not loss.requires_grad:
-                return located(step, scale, phase="not reproduced", note="training_step returned no loss to re-run")
+                return located(step, scale, phase=NOT_REPRODUCED, note="training_step returned no loss to re-run")
             scaled = loss.float() * (1.0 if scale is None else scale)
             if not bool(torch.isfinite(scaled)):
                 what = "loss" if not bool(torch.isfinite(loss)) else f"loss times the scale {scale:g}"
                 return located(
-                    step, scale, phase="loss", module="(the loss)", tensor=what, dtype=str(loss.dtype),
+                    step, scale, phase=LOSS, module="(the loss)", tensor=what, dtype=str(loss.dtype),
                     max_finite=None if not bool(torch.isfinite(loss)) else float(loss.detach().abs()),
                 )  # fmt: skip
             parameters = [p for p in pl_module.parameters() if p.requires_grad]
@@ -122,11 +124,11 @@ def _train_again(
                 if name in buffers:
                     buffer.copy_(buffers[name])
     if found is not None:
-        return located(step, scale, phase="backward", **found)
+        return located(step, scale, phase=BACKWARD, **found)
     return located(
         step,
         scale,
-        phase="not reproduced",
+        phase=NOT_REPRODUCED,
         note="the step's last batch trained again stays finite (an earlier batch of its accumulation window, or"
         " nondeterminism)",
     )

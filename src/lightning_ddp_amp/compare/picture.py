@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 import shlex
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp_amp.compare.recorder import timed_steps
+from lightning_ddp_amp.compare.schema import BASELINE, CandidateEntry, Report, Series
+from lightning_ddp_amp.compare.summary import timed_steps
 
 #: The panels, in order: title, and the series key each plots (``metrics``: every validation and test metric).
 PANELS = (
@@ -33,22 +35,23 @@ TITLE_WIDTH = 175
 SCALE = {"relative_loss_difference": 100.0, "weight_distance": 100.0, "step_time_s": 1000.0}
 
 
-def points(entry: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
+def points(entry: CandidateEntry, key: str) -> tuple[list[float], list[float]]:
     """The (x, y) a panel draws for one run: a missing or non-finite value is a gap (NaN)."""
-    series = entry["series"]
+    series = _series(entry)
+    by_key: Mapping[str, Any] = series  # the panel's key, one of the series'
     factor = SCALE.get(key, 1.0)
     if key == "weight_distance":
-        pairs = [(step, value) for step, value in series[key]]
+        pairs = [(step, value) for step, value in by_key[key]]
     elif key == "step_time_s":
         pairs = timed_steps(series)
     else:
-        pairs = list(zip(series["step"], series[key], strict=True))
+        pairs = list(zip(series["step"], by_key[key], strict=True))
     xs = [float(step) for step, _ in pairs]
     ys = [math.nan if v is None or not math.isfinite(v) else v * factor for _, v in pairs]
     return xs, ys
 
 
-def plot(report: dict[str, Any], path: Path) -> Any:
+def plot(report: Report, path: Path) -> Any:
     """Draw :data:`PANELS` into ``path``; returns the figure, or None without matplotlib."""
     try:
         import matplotlib
@@ -73,7 +76,7 @@ def plot(report: dict[str, Any], path: Path) -> Any:
             continue
         for entry in entries:
             if key in ("relative_loss_difference", "weight_distance") and (
-                entry["status"] == "baseline" or entry["summary"] is None
+                entry["status"] == BASELINE or entry["summary"] is None
             ):
                 continue  # nothing to draw: the baseline itself, or a run never compared
             xs, ys = points(entry, key)
@@ -81,7 +84,7 @@ def plot(report: dict[str, Any], path: Path) -> Any:
             marker = "o" if key == "weight_distance" else None
             axis.plot(xs, ys, label=_label(entry), color=colour, marker=marker)
             if key == "loss_scale":
-                skipped = [(x, y) for x, y, flag in zip(xs, ys, entry["series"]["skipped"], strict=True) if flag]
+                skipped = [(x, y) for x, y, flag in zip(xs, ys, _series(entry)["skipped"], strict=True) if flag]
                 if skipped:
                     axis.plot(*zip(*skipped, strict=True), "x", color=colour, label=f"_{entry['name']} skipped")
         if key == "weight_distance":
@@ -102,11 +105,17 @@ def plot(report: dict[str, Any], path: Path) -> Any:
     return figure
 
 
-def _has_a_loss_scale(entry: dict[str, Any]) -> bool:
-    return any(value is not None and math.isfinite(value) for value in entry["series"]["loss_scale"])
+def _series(entry: CandidateEntry) -> Series:
+    """The series of a run the picture draws: only those that have one are drawn."""
+    assert entry["series"] is not None
+    return entry["series"]
 
 
-def _metrics(axis: Any, entries: list[dict[str, Any]], colours: dict[str, str]) -> None:
+def _has_a_loss_scale(entry: CandidateEntry) -> bool:
+    return any(value is not None and math.isfinite(value) for value in _series(entry)["loss_scale"])
+
+
+def _metrics(axis: Any, entries: list[CandidateEntry], colours: dict[str, str]) -> None:
     """Each logged metric over the evaluation runs' steps: a colour per run, a marker per metric."""
     names = sorted({name for entry in entries for e in entry["evaluations"] for name in e["metrics"]})
     if not names:
@@ -124,11 +133,11 @@ def _metrics(axis: Any, entries: list[dict[str, Any]], colours: dict[str, str]) 
     axis.legend(fontsize=8)
 
 
-def _label(entry: dict[str, Any]) -> str:
+def _label(entry: CandidateEntry) -> str:
     return f"{entry['name']} ({entry['status']})"
 
 
-def _title(report: dict[str, Any]) -> str:
+def _title(report: Report) -> str:
     versions = report["versions"]
     lightning = versions.get("lightning") or versions.get("pytorch_lightning")
     apex = f", apex {versions['apex']}" if versions.get("apex") else ""

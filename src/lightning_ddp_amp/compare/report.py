@@ -1,130 +1,62 @@
 """The report of ``lightning-ddp-amp compare``: are the runs comparable, and how far is each from the baseline.
 
-Definitions (``docs/compare.md`` explains how to read them):
-
-* The loss of a step is the mean over ranks of what each rank gave to backward since its previous step.
-* The *relative loss difference* of a step is ``|loss - baseline loss| / |baseline loss|``, over the steps both
-  runs took. The *final loss* is the mean over the last tenth of those steps (at least one).
-* The *weight distance* is ``‖w - w_baseline‖ / ‖w_baseline - w_start‖``: how far the candidate's final weights are
-  from the baseline's, as a fraction of how far the baseline moved from the common start. It is 1 for a candidate
-  that never moved (every step skipped), and about 0.1 for the same precision at a learning rate 10% off. Per
-  submodule (the module that holds each parameter) the same ratio uses that submodule's own weights.
-* A candidate is **identical** when it took the baseline's steps with the baseline's loss at each and ended in its
-  weights, bit for bit; else **close** when its final loss is within the loss tolerance of the baseline's, its
-  weight distance within the weight tolerance and each ``--metric`` within its own; otherwise **apart**, with the
-  reason.
-* The *noise floor* (``--noise-floor``) is the baseline run again with every initial weight one ulp up: the
-  distances of a run that differs by nothing that matters, beside which every candidate's are read.
-* Step times leave out each run's first step (warm-up) and the steps slowed by rank 0 measuring weight distances;
-  their *spread* is half the baseline's interquartile range over its median, or, when wider, how far the noise-floor
-  run's median is from the baseline's. A step-time ratio within ``1 ± spread`` is not called faster or slower; the
-  memory spread is how far the noise-floor run's peak is from the baseline's.
+A candidate is **identical** when it took the baseline's steps with the baseline's loss at each and ended in its
+weights, bit for bit; else **close** when its final loss is within the loss tolerance of the baseline's, its weight
+distance within the weight tolerance and each ``--metric`` within its own
+(:mod:`~lightning_ddp_amp.compare.tolerance`); otherwise **apart**, with the reason. The numbers the verdict rests
+on, and their definitions, are :mod:`~lightning_ddp_amp.compare.summary`'s; the shape of ``compare.json`` is
+:mod:`~lightning_ddp_amp.compare.schema`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import platform
-import re
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from lightning_ddp_amp.amp import apex_loader
-from lightning_ddp_amp.compare import picture
-from lightning_ddp_amp.compare.recorder import (
-    FINAL_WEIGHTS,
-    RECORD_FILE,
-    START_WEIGHTS,
-    partial_file,
-    timed_steps,
-    weight_distance,
+from lightning_ddp_amp.compare import picture, run_folder
+from lightning_ddp_amp.compare.run_folder import ERRORS, FINAL_WEIGHTS, START_WEIGHTS
+from lightning_ddp_amp.compare.schema import (
+    APART,
+    BASELINE,
+    CANDIDATE,
+    CLOSE,
+    FAILED,
+    IDENTICAL,
+    NOISE_FLOOR,
+    NOT_COMPARED,
+    SCHEMA,
+    Apex,
+    CandidateEntry,
+    Evaluation,
+    Overflow,
+    Report,
+    Role,
+    Series,
+    Status,
+    Summary,
+    Versions,
 )
+from lightning_ddp_amp.compare.summary import call, last_values, noise_floor, spread, summarize
+from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
 from lightning_ddp_amp.versions import installed
 
-#: The ``schema`` value of ``compare.json`` (documented in ``docs/compare.md`` and ``docs/compare.schema.json``).
-SCHEMA = "lightning-ddp-amp/compare/1"
 JSON_FILE = "compare.json"
 PNG_FILE = "compare.png"
-#: A loss scale below this means the model overflows fp16 with its loss unscaled: not a rounding question.
-MODEL_PROBLEM_SCALE = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """Beyond these a candidate is apart: the relative final-loss difference, and the relative weight distance.
-
-    The defaults were measured on ``examples/two_models_one_optimizer.py`` (``docs/compare.md``): ``apex-O1`` against
-    ``amp-O1`` differ by a fraction of these, the same precision at a learning rate 10% off by several times them.
-    """
-
-    loss: float = 0.02
-    weights: float = 0.05
-
-    @classmethod
-    def parse(cls, text: str) -> Tolerance:
-        """``"0.05"`` (both) or ``"0.02,0.05"`` (loss, weights); an argparse ``type``."""
-        parts = text.split(",")
-        try:
-            values = [float(part) for part in parts]
-        except ValueError:
-            values = []
-        if len(values) not in (1, 2) or not all(math.isfinite(v) and v > 0 for v in values):
-            raise argparse.ArgumentTypeError(
-                f"--tolerance={text!r}: expected one or two positive numbers. Fix: e.g. --tolerance 0.05 (both) or"
-                " --tolerance 0.02,0.05 (final loss, weights)"
-            )
-        return cls(values[0], values[-1])
-
-
-@dataclasses.dataclass(frozen=True)
-class Metric:
-    """``--metric NAME[:TOL]``: a metric the script logs in validation or test, which must be close for a candidate to
-    be close. ``TOL`` is the largest difference from the baseline's value (``0.005``) or, ending in ``%``, relative to
-    it (``1%``); without it, the loss tolerance's default, relative."""
-
-    name: str
-    absolute: float | None = None
-    relative: float = Tolerance().loss
-
-    @classmethod
-    def parse(cls, text: str) -> Metric:
-        """An argparse ``type``."""
-        name, separator, tolerance = text.partition(":")
-        fix = "Fix: e.g. --metric val_acc (within 2% of the baseline's), val_acc:0.005 or val_acc:1%"
-        if not re.fullmatch(r"[^\s:]+", name):
-            raise argparse.ArgumentTypeError(f"--metric={text!r}: no metric name before the ':'. {fix}")
-        if not separator:
-            return cls(name)
-        try:
-            value = float(tolerance[:-1]) / 100 if tolerance.endswith("%") else float(tolerance)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value >= 0):
-            raise argparse.ArgumentTypeError(
-                f"--metric={text!r}: the tolerance {tolerance!r} is not a number of 0 or more. {fix}"
-            )
-        return cls(name, None, value) if tolerance.endswith("%") else cls(name, value)
-
-    def tolerance_text(self) -> str:
-        return f"{self.absolute:g}" if self.absolute is not None else f"{100 * self.relative:g}%"
-
-    def within(self, value: float, baseline: float) -> bool:
-        limit = self.absolute if self.absolute is not None else self.relative * abs(baseline)
-        return math.isfinite(value) and abs(value - baseline) <= limit
 
 
 @dataclasses.dataclass
 class Candidate:
     """One precision's run: what ran, and how it ended.
 
-    ``role`` is ``"baseline"``, ``"candidate"`` or ``"noise floor"`` (the baseline's second run, ``--noise-floor``).
+    ``role`` is ``baseline``, ``candidate`` or ``noise floor`` (the baseline's second run, ``--noise-floor``).
     """
 
     name: str
@@ -133,23 +65,15 @@ class Candidate:
     directory: Path
     returncode: int | None = None
     error: str | None = None
-    role: str = "candidate"
+    role: Role = CANDIDATE
 
     _record: dict[str, Any] | None = dataclasses.field(default=None, init=False, repr=False)
 
     def record(self) -> dict[str, Any] | None:
         """The run's ``record.json``, read once the run has ended."""
         if self._record is None:
-            path = self.directory / RECORD_FILE
-            self._record = json.loads(path.read_text()) if path.is_file() else None
+            self._record = run_folder.read_record(self.directory)
         return self._record
-
-    def partial(self) -> list[dict[str, Any]]:
-        """What the ranks of a crashed run wrote of their steps (each rank's own ``record``), rank by rank."""
-        ranks = []
-        for path in sorted(self.directory.glob(partial_file("*"))):
-            ranks += json.loads(path.read_text())["ranks"]
-        return sorted(ranks, key=lambda rank: rank["rank"])
 
     def failure(self) -> str | None:
         """Why the run failed, preferring the error a rank raised; None when it finished with a record.
@@ -160,9 +84,7 @@ class Candidate:
             return self.error
         if not self.returncode and self.record() is not None:
             return None
-        errors = sorted(
-            (self.directory / "errors").glob("*.json"), key=lambda p: (not p.name.startswith("rank"), p.name)
-        )
+        errors = sorted((self.directory / ERRORS).glob("*.json"), key=lambda p: (not p.name.startswith("rank"), p.name))
         if errors:
             error = json.loads(errors[0].read_text())
             where = f"on rank {error['rank']}" if error["rank"] is not None else "in the script"
@@ -182,16 +104,16 @@ def build(
     steps: int,
     argv: list[str],
     metrics: Sequence[Metric] = (),
-) -> dict[str, Any]:
+) -> Report:
     """The report as ``compare.json`` holds it."""
     baseline = candidates[0]
     entries = [_entry(candidate) for candidate in candidates]
-    entries[0]["role"] = "baseline"  # whatever the caller named it: the first run is what the others are held to
-    report: dict[str, Any] = {
+    entries[0]["role"] = BASELINE  # whatever the caller named it: the first run is what the others are held to
+    report: Report = {
         "schema": SCHEMA,
         "command": ["lightning-ddp-amp", "compare", *argv],
         "steps": steps,
-        "tolerance": dataclasses.asdict(tolerance),
+        "tolerance": {"loss": tolerance.loss, "weights": tolerance.weights},
         "metrics": [{"name": m.name, "tolerance": m.tolerance_text()} for m in metrics],
         "versions": _versions(),
         "hardware": _hardware(),
@@ -203,79 +125,78 @@ def build(
         "spread": None,
         "candidates": entries,
     }
-    if entries[0]["status"] == "failed":
+    if entries[0]["status"] == FAILED:
         report["problem"] = f"the baseline {baseline.name} failed, so there is nothing to compare against"
         for entry in entries[1:]:
-            if entry["status"] != "failed":
-                entry["status"], entry["reason"] = "not compared", "the baseline failed"
+            if entry["status"] != FAILED:
+                entry["reason"] = "the baseline failed"
         return report
     records = [
-        candidate.record() if entry["status"] != "failed" else None
+        candidate.record() if entry["status"] != FAILED else None
         for candidate, entry in zip(candidates, entries, strict=True)
     ]
     problem = _incomparable(candidates, records)
     if problem is not None:
         report["problem"] = problem
         for entry in entries:
-            if entry["status"] != "failed":
-                entry["status"], entry["reason"] = "not compared", "the runs did not start alike"
+            if entry["status"] != FAILED:
+                entry["reason"] = "the runs did not start alike"
         return report
     report["comparable"] = True
-    base_series = entries[0]["series"]
+    base_entry, base_series = entries[0], entries[0]["series"]
+    assert base_series is not None
     start = torch.load(baseline.directory / START_WEIGHTS)
     base_weights = torch.load(baseline.directory / FINAL_WEIGHTS)
-    compared = [(c, e) for c, e in zip(candidates, entries, strict=True) if e["status"] != "failed"]
+    compared = [(c, e) for c, e in zip(candidates, entries, strict=True) if e["status"] != FAILED]
     final_weights = {}
     for candidate, entry in compared:
         weights = final_weights[candidate.name] = torch.load(candidate.directory / FINAL_WEIGHTS)
-        entry["summary"] = _summary(entry, entries[0], weights, base_weights, start)
-    noise = next((e for c, e in compared if c.role == "noise floor"), None)
-    report["noise_floor"] = None if noise is None else _noise_floor(noise)
-    report["spread"] = _spread(entries[0], noise)
-    report["problem"] = _missing_metric(entries[0], metrics)
+        entry["summary"] = summarize(entry, base_entry, weights, base_weights, start)
+    noise = next((e for c, e in compared if c.role == NOISE_FLOOR), None)
+    report["noise_floor"] = None if noise is None else noise_floor(noise)
+    report["spread"] = widths = spread(base_entry, noise)
+    report["problem"] = _missing_metric(base_entry["evaluations"], metrics)
     for candidate, entry in compared:
-        summary = entry["summary"]
-        summary["step_time_call"] = _call(summary["step_time_ratio"], report["spread"]["step_time"])
-        summary["peak_memory_call"] = _call(summary["peak_memory_ratio"], report["spread"]["peak_memory"])
+        summary, series = entry["summary"], entry["series"]
+        assert summary is not None and series is not None
+        summary["step_time_call"] = call(summary["step_time_ratio"], widths["step_time"])
+        summary["peak_memory_call"] = call(summary["peak_memory_ratio"], widths["peak_memory"])
         if candidate is baseline:
-            entry["status"], entry["reason"] = "baseline", "the baseline"
+            entry["status"], entry["reason"] = BASELINE, "the baseline"
             continue
-        if candidate.role == "noise floor":
-            entry["status"] = "noise floor"
+        if candidate.role == NOISE_FLOOR:
+            entry["status"] = NOISE_FLOOR
             entry["reason"] = "the baseline run again with every initial weight one ulp up"
             continue
-        summary["first_step_apart"] = _first_apart(entry, tolerance)
-        summary["explanation"] = _explain(entry, entries[0])
-        entry["status"], entry["reason"] = _verdict(summary, tolerance, metrics)
+        summary["first_step_apart"] = _first_apart(series, tolerance)
+        summary["explanation"] = _explain(entry, base_entry)
+        status, reason = _verdict(summary, tolerance, metrics)
         if summary["explanation"]:
-            entry["reason"] += f"; {summary['explanation']}"
+            reason += f"; {summary['explanation']}"
         if summary["scale_trend"] and summary["scale_trend"]["model_problem"]:
-            entry["reason"] += f"; {summary['scale_trend']['advice']}"
-        if _identical(entry["series"], base_series, final_weights[candidate.name], base_weights):
-            entry["status"] = "identical"
-            entry["reason"] = "the baseline's loss at every step and its final weights, bit for bit"
-        if entry["ran_as"] == entries[0]["ran_as"] and candidate.command == baseline.command:
-            entry["reason"] += (
-                f"; it trained as the baseline did ({entry['ran_as']}), so this compares a run with itself"
-            )
+            reason += f"; {summary['scale_trend']['advice']}"
+        if _identical(series, base_series, final_weights[candidate.name], base_weights):
+            status, reason = IDENTICAL, "the baseline's loss at every step and its final weights, bit for bit"
+        if entry["ran_as"] == base_entry["ran_as"] and candidate.command == baseline.command:
+            reason += f"; it trained as the baseline did ({entry['ran_as']}), so this compares a run with itself"
             if candidate.precision.startswith("amp-"):
-                entry["reason"] += (
-                    f" (amp-O* runs apex where apex is installed: name native-{candidate.precision[4:]} for torch's AMP)"
-                )
+                reason += f" (amp-O* runs apex where apex is installed: name native-{candidate.precision[4:]} for torch's AMP)"
+        entry["status"], entry["reason"] = status, reason
     return report
 
 
-def _entry(candidate: Candidate) -> dict[str, Any]:
+def _entry(candidate: Candidate) -> CandidateEntry:
+    """The run as far as its folder tells, before any comparison: ``failed``, or ``not compared`` yet."""
     failure = candidate.failure()
     record = None if failure is not None else candidate.record()
-    entry: dict[str, Any] = {
+    entry: CandidateEntry = {
         "name": candidate.name,
         "precision": candidate.precision,
         "role": candidate.role,
         "command": candidate.command,
         "directory": str(candidate.directory),
         "returncode": candidate.returncode,
-        "status": "failed" if record is None else "recorded",
+        "status": FAILED if record is None else NOT_COMPARED,
         "reason": failure,
         "world_size": None,
         "ran_as": None,
@@ -289,37 +210,35 @@ def _entry(candidate: Candidate) -> dict[str, Any]:
     }
     if record is None:  # a crash keeps the steps taken before it: the fit's record when it came after the fit
         finished = candidate.record()
-        ranks = finished["ranks"] if finished is not None else candidate.partial()  # else each rank's own
+        ranks = finished["ranks"] if finished is not None else run_folder.read_partial(candidate.directory)
         if ranks:
             entry["series"] = _series(ranks)
             entry["overflows"] = _overflows(ranks)
         if finished is not None:
             entry["evaluations"] = finished.get("evaluations", [])
         return entry
-    entry.update(
-        world_size=record["world_size"],
-        ran_as=record["ran_as"],
-        restarts=record["restarts"],
-        replaced=record["replaced"],
-        turned_off=record["turned_off"],
-        evaluations=record.get("evaluations", []),
-        series=_series(record["ranks"]),
-        overflows=_overflows(record["ranks"]),
-    )
-    entry["series"]["weight_distance"] = [[step, d] for step, d in record.get("weight_distances", [])]
+    entry["world_size"] = record["world_size"]
+    entry["ran_as"] = record["ran_as"]
+    entry["restarts"] = record["restarts"]
+    entry["replaced"] = record["replaced"]
+    entry["turned_off"] = record["turned_off"]
+    entry["evaluations"] = record.get("evaluations", [])
+    entry["series"] = series = _series(record["ranks"])
+    entry["overflows"] = _overflows(record["ranks"])
+    series["weight_distance"] = [[step, d] for step, d in record.get("weight_distances", [])]
     entry["peak_memory_bytes"] = max(rank["peak_memory_bytes"] for rank in record["ranks"])
     entry["peak_memory_kind"] = record["ranks"][0]["peak_memory_kind"]
     return entry
 
 
-def _series(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def _series(ranks: list[dict[str, Any]]) -> Series:
     """The run's series from its ranks' records: the loss averaged over ranks, the step time the slowest rank's, the
     rest rank 0's; as long as the shortest rank's (a crash may stop ranks a step apart)."""
     first = ranks[0]
     count = min(len(rank["step"]) for rank in ranks)
     return {
         "step": first["step"][:count],
-        "loss": [_mean([rank["loss"][i] for rank in ranks]) for i in range(count)],
+        "loss": [math.fsum(rank["loss"][i] for rank in ranks) / len(ranks) for i in range(count)],
         "loss_by_rank": [rank["loss"][:count] for rank in ranks],
         "skipped": first["skipped"][:count],
         "loss_scale": first["loss_scale"][:count],
@@ -332,18 +251,18 @@ def _series(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _overflows(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _overflows(ranks: list[dict[str, Any]]) -> list[Overflow]:
     """Each located overflow once, per step the rank that found the most (a place before "not reproduced")."""
-    found: dict[int, dict[str, Any]] = {}
+    found: dict[int, Overflow] = {}
     for rank in ranks:
         for overflow in rank.get("overflows", []):
             step, known = overflow["step"], overflow["module"] is not None
             if step not in found or (known and found[step]["module"] is None):
-                found[step] = {**overflow, "rank": rank["rank"]}
+                found[step] = cast(Overflow, {**overflow, "rank": rank["rank"]})  # record.json's, and its rank
     return [found[step] for step in sorted(found)]
 
 
-def _incomparable(candidates: list[Candidate], records: list[dict[str, Any] | None]) -> str | None:
+def _incomparable(candidates: list[Candidate], records: Sequence[dict[str, Any] | None]) -> str | None:
     """What makes the recorded runs unlike the baseline's, with the fix; None when they all started alike."""
     baseline, base = candidates[0], records[0]
     assert base is not None
@@ -373,100 +292,16 @@ def _incomparable(candidates: list[Candidate], records: list[dict[str, Any] | No
     return None
 
 
-def _summary(
-    entry: dict[str, Any],
-    base_entry: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    base_weights: dict[str, torch.Tensor],
-    start: dict[str, torch.Tensor],
-) -> dict[str, Any]:
-    series, base = entry["series"], base_entry["series"]
-    ran = set(series["step"])
-    common = [step for step in base["step"] if step in ran]
-    ours = dict(zip(series["step"], series["loss"], strict=True))
-    theirs = dict(zip(base["step"], base["loss"], strict=True))
-    differences: list[float] = [_relative(ours[step], theirs[step]) for step in common]  # type: ignore[misc]
-    by_step = dict(zip(common, differences, strict=True))
-    series["relative_loss_difference"] = [by_step.get(step) for step in series["step"]]
-    tail = max(1, len(common) // 10)
-    final = _mean([ours[step] for step in common[-tail:]])
-    base_final = _mean([theirs[step] for step in common[-tail:]])
-    skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
-    submodules = _submodule_distances(weights, base_weights, start)
-    distance = weight_distance(weights, base_weights, start)
-    if series["step"]:
-        series["weight_distance"].append([series["step"][-1] + 1, distance])
-    times, base_times = _step_times(series), _step_times(base)
-    memory = entry["peak_memory_bytes"]
-    return {
-        "final_loss": final,
-        "final_loss_relative_difference": _relative(final, base_final),
-        "max_relative_loss_difference": max(differences, default=None),
-        "mean_relative_loss_difference": _mean(differences) if differences else None,
-        "first_step_apart": None,
-        "explanation": None,
-        "weight_distance": distance,
-        "submodule_distances": sorted(submodules, key=lambda s: -_order(s["distance"]))[:3],
-        "metrics": _metrics(entry["evaluations"], base_entry["evaluations"]),
-        "skipped_steps": skipped,
-        "final_loss_scale": series["loss_scale"][-1] if series["loss_scale"] else None,
-        "scale_trend": _scale_trend(series, entry["overflows"]),
-        "step_time_s": times,
-        "median_step_time_s": times["median"] if times else None,
-        "step_time_ratio": _ratio(times["median"], base_times["median"]) if times and base_times else None,
-        "step_time_call": None,
-        "peak_memory_bytes": memory,
-        "peak_memory_ratio": _ratio(memory, base_entry["peak_memory_bytes"]),
-        "peak_memory_call": None,
-    }
-
-
-def _step_times(series: dict[str, Any]) -> dict[str, float] | None:
-    """Median and quartiles of :func:`timed_steps` (all steps when that leaves none); None without a finite time."""
-    times = [t for _, t in timed_steps(series) if t is not None and math.isfinite(t)] or [
-        t for t in series["step_time_s"] if t is not None and math.isfinite(t)
-    ]
-    if not times:
-        return None
-    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return {"median": statistics.median(times), "p25": quartiles[0], "p75": quartiles[2]}
-
-
-def _metrics(evaluations: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each metric's last value (from the last validation or test run that logged it) beside the baseline's."""
-    ours, theirs = _last_values(evaluations), _last_values(base)
-    found = {}
-    for name in sorted(ours.keys() | theirs.keys()):
-        value, stage = ours.get(name, (None, None))
-        baseline, base_stage = theirs.get(name, (None, None))
-        found[name] = {
-            "stage": stage or base_stage,
-            "value": value,
-            "baseline": baseline,
-            "difference": None if value is None or baseline is None else value - baseline,
-            "relative_difference": _relative(value, baseline),
-        }
-    return found
-
-
-def _last_values(evaluations: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
-    values: dict[str, tuple[float, str]] = {}
-    for evaluation in evaluations:
-        for name, value in evaluation["metrics"].items():
-            values[name] = (value, evaluation["stage"])
-    return values
-
-
 def missing_metric(baseline: Candidate, metrics: Sequence[Metric]) -> str | None:
     """The problem with a ``--metric`` the baseline's finished run never logged, as soon as it has ended: the other
     runs would be for nothing. None while there is nothing to say (no record: the report says why)."""
     record = None if baseline.failure() is not None else baseline.record()
-    return None if record is None else _missing_metric({"evaluations": record.get("evaluations", [])}, metrics)
+    return None if record is None else _missing_metric(record.get("evaluations", []), metrics)
 
 
-def _missing_metric(base: dict[str, Any], metrics: Sequence[Metric]) -> str | None:
+def _missing_metric(evaluations: list[Evaluation], metrics: Sequence[Metric]) -> str | None:
     """A ``--metric`` the baseline never logged: the verdict cannot use it."""
-    logged = sorted(_last_values(base["evaluations"]))
+    logged = sorted(last_values(evaluations))
     for metric in metrics:
         if metric.name not in logged:
             return (
@@ -477,96 +312,9 @@ def _missing_metric(base: dict[str, Any], metrics: Sequence[Metric]) -> str | No
     return None
 
 
-def _scale_trend(series: dict[str, Any], overflows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """How the loss scale fared after overflows: whether training went on, and whether the model is the problem."""
-    skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
-    if not skipped and not overflows:
-        return None
-    scales = [(step, s) for step, s in zip(series["step"], series["loss_scale"], strict=True) if s is not None]
-    lowest = min(scales, key=lambda pair: pair[1], default=None)
-    taken_after = [
-        step for step, flag in zip(series["step"], series["skipped"], strict=True) if not flag and step > max(skipped)
-    ] if skipped else []  # fmt: skip
-    recovered = bool(skipped) and bool(taken_after)
-    tail = series["skipped"][-3:]
-    model_problem = (lowest is not None and lowest[1] < MODEL_PROBLEM_SCALE) or (len(tail) == 3 and all(tail))
-    located = next((o for o in reversed(overflows) if o["module"] is not None), None)
-    advice = None
-    if model_problem:
-        where = (
-            f"{located['module']} ({located['phase']}: {located['tensor']}, {located['dtype']})"
-            if located
-            else "an unlocated module"
-        )
-        fell = f"to {lowest[1]:g} at step {lowest[0]}" if lowest else "on every step at the end"
-        advice = (
-            f"the loss scale kept falling ({fell}): a model problem, not fp16's rounding: {where} overflows even with"
-            " the loss unscaled. Fix: keep that module in fp32 (torch AMP: run it under"
-            " torch.autocast(device_type, enabled=False) on .float() inputs; apex O1: amp.register_float_function),"
-            " look for weights or activations that grow (learning rate, missing normalization), or train in"
-            " bf16-mixed (fp32's range, no loss scale)"
-        )
-    return {
-        "lowest_loss_scale": None if lowest is None else lowest[1],
-        "lowest_at_step": None if lowest is None else lowest[0],
-        "recovered": recovered,
-        "model_problem": model_problem,
-        "advice": advice,
-    }
-
-
-def _noise_floor(noise: dict[str, Any]) -> dict[str, Any]:
-    summary = noise["summary"]
-    return {
-        "candidate": noise["name"],
-        "weight_distance": summary["weight_distance"],
-        "weight_distances": noise["series"]["weight_distance"],
-        "final_loss_relative_difference": summary["final_loss_relative_difference"],
-        "max_relative_loss_difference": summary["max_relative_loss_difference"],
-        "step_time_ratio": summary["step_time_ratio"],
-        "peak_memory_ratio": summary["peak_memory_ratio"],
-    }
-
-
-#: The fewest timed steps (the first and the snapshot-slowed left out) whose quartiles make a step-time spread.
-MIN_TIMED_STEPS = 4
-
-
-def _spread(base: dict[str, Any], noise: dict[str, Any] | None) -> dict[str, Any]:
-    """How much step time and peak memory move with nothing changed (module docstring)."""
-    times = base["summary"]["step_time_s"]
-    timed = sum(1 for _, t in timed_steps(base["series"]) if t is not None and math.isfinite(t))
-    over_steps = None  # fewer timed steps have no spread to speak of: no ratio is called faster or slower on them
-    if times and times["median"] and timed >= MIN_TIMED_STEPS:
-        over_steps = (times["p75"] - times["p25"]) / (2 * times["median"])
-    between_time = between_memory = None
-    if noise is not None:
-        ratio, memory = noise["summary"]["step_time_ratio"], noise["summary"]["peak_memory_ratio"]
-        between_time = None if ratio is None else abs(ratio - 1)
-        between_memory = None if memory is None else abs(memory - 1)
-    step_time = max((v for v in (over_steps, between_time) if v is not None), default=None)
-    return {
-        "step_time": step_time,
-        "step_time_over_steps": over_steps,
-        "step_time_between_baseline_runs": between_time,
-        "peak_memory": between_memory,
-    }
-
-
-def _call(ratio: float | None, spread: float | None) -> str | None:
-    """``"faster"`` / ``"slower"`` (or less / more, for memory), only outside the spread; None without a spread."""
-    if ratio is None or spread is None:
-        return None
-    if ratio > 1 + spread:
-        return "above"
-    if ratio < 1 - spread:
-        return "below"
-    return "within the spread"
-
-
 def _identical(
-    series: dict[str, Any],
-    base: dict[str, Any],
+    series: Series,
+    base: Series,
     weights: dict[str, torch.Tensor],
     base_weights: dict[str, torch.Tensor],
 ) -> bool:
@@ -576,7 +324,7 @@ def _identical(
     return all(torch.equal(weights[name], base_weights[name]) for name in weights)
 
 
-def _verdict(summary: dict[str, Any], tolerance: Tolerance, metrics: Sequence[Metric] = ()) -> tuple[str, str]:
+def _verdict(summary: Summary, tolerance: Tolerance, metrics: Sequence[Metric] = ()) -> tuple[Status, str]:
     reasons = []
     final, distance = summary["final_loss_relative_difference"], summary["weight_distance"]
     if final is None or not math.isfinite(final) or final > tolerance.loss:
@@ -600,15 +348,15 @@ def _verdict(summary: dict[str, Any], tolerance: Tolerance, metrics: Sequence[Me
         else:
             held.append(f"{metric.name} {found['value']:.6g} against {found['baseline']:.6g}")
     if reasons:
-        return "apart", "; ".join(reasons)
-    return "close", (
+        return APART, "; ".join(reasons)
+    return CLOSE, (
         f"final loss {percent(final)} from the baseline's, weights {percent(distance)} of its travel away"
         f" (tolerances {percent(tolerance.loss)}, {percent(tolerance.weights)})" + "".join(f"; {text}" for text in held)
     )
 
 
-def _first_apart(entry: dict[str, Any], tolerance: Tolerance) -> int | None:
-    for step, difference in zip(entry["series"]["step"], entry["series"]["relative_loss_difference"], strict=True):
+def _first_apart(series: Series, tolerance: Tolerance) -> int | None:
+    for step, difference in zip(series["step"], series["relative_loss_difference"], strict=True):
         if difference is None:
             continue
         if not math.isfinite(difference) or difference > tolerance.loss:
@@ -616,16 +364,18 @@ def _first_apart(entry: dict[str, Any], tolerance: Tolerance) -> int | None:
     return None
 
 
-def _explain(entry: dict[str, Any], base: dict[str, Any]) -> str | None:
+def _explain(entry: CandidateEntry, base: CandidateEntry) -> str | None:
     """Why a run leaves the tolerance where it does, when a step skipped in one run only explains it.
 
     A step skipped on overflow leaves the weights as they were and holds the LR schedule back one step, so from there
     the two runs train out of phase: a difference that is not the precision's rounding.
     """
-    first = entry["summary"]["first_step_apart"]
+    summary, base_summary = entry["summary"], base["summary"]
+    assert summary is not None and base_summary is not None
+    first = summary["first_step_apart"]
     if first is None:
         return None
-    ours, theirs = set(entry["summary"]["skipped_steps"]), set(base["summary"]["skipped_steps"])
+    ours, theirs = set(summary["skipped_steps"]), set(base_summary["skipped_steps"])
     alone = sorted(step for step in ours ^ theirs if step < first)
     if not alone:
         return None
@@ -635,13 +385,14 @@ def _explain(entry: dict[str, Any], base: dict[str, Any]) -> str | None:
         f"it leaves the tolerance at step {first}, after step {step}, which {who} alone skipped on overflow: a skipped"
         " step keeps the weights and holds the LR schedule back, so the runs train out of phase from there"
     )
+    assert entry["series"] is not None and base["series"] is not None
     shift = _lr_shift(entry["series"], base["series"], after=step)
     if shift:
         said += f"; its LR schedule runs {abs(shift)} step(s) {'behind' if shift > 0 else 'ahead of'} the baseline's"
     return said
 
 
-def _lr_shift(series: dict[str, Any], base: dict[str, Any], after: int) -> int:
+def _lr_shift(series: Series, base: Series, after: int) -> int:
     """How many steps this run's LR lags the baseline's after step ``after`` (negative: leads); 0 when it does not,
     or when the LR does not change there."""
     ours = {step: lr for step, lr in zip(series["step"], series["lr"], strict=True) if step > after}
@@ -655,39 +406,6 @@ def _lr_shift(series: dict[str, Any], base: dict[str, Any], after: int) -> int:
     return 0
 
 
-def _submodule_distances(
-    weights: dict[str, torch.Tensor], base: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
-) -> list[dict[str, Any]]:
-    groups: dict[str, list[str]] = {}
-    for name in weights:
-        groups.setdefault(name.rpartition(".")[0] or name, []).append(name)
-    return [
-        {"name": module, "distance": weight_distance(weights, base, start, names)} for module, names in groups.items()
-    ]
-
-
-def _relative(value: float | None, reference: float | None) -> float | None:
-    if value is None or reference is None:
-        return None
-    if not (math.isfinite(value) and math.isfinite(reference)):
-        return math.inf
-    if reference == 0:
-        return 0.0 if value == 0 else math.inf
-    return abs(value - reference) / abs(reference)
-
-
-def _ratio(value: float, reference: float) -> float | None:
-    return value / reference if reference else None
-
-
-def _mean(values: list[float]) -> float:
-    return math.fsum(values) / len(values) if values else math.nan
-
-
-def _order(value: float | None) -> float:
-    return -1.0 if value is None else math.inf if math.isnan(value) else value
-
-
 def percent(value: float | None) -> str:
     """A fraction as the report says it: ``0.0123`` is ``"1.23%"``; None or not finite is ``"not finite"``."""
     if value is None or not math.isfinite(value):
@@ -695,13 +413,16 @@ def percent(value: float | None) -> str:
     return f"{100 * value:.3g}%"
 
 
-def _versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("lightning", "pytorch_lightning", "lightning_ddp_amp"):
-        found[name] = installed(name)
+def _versions() -> Versions:
     apex = _apex()
-    found["apex"] = None if apex is None else apex["version"]
-    return found
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": installed("lightning"),
+        "pytorch_lightning": installed("pytorch_lightning"),
+        "lightning_ddp_amp": installed("lightning_ddp_amp"),
+        "apex": None if apex is None else apex["version"],
+    }
 
 
 def _hardware() -> str:
@@ -719,7 +440,7 @@ def _hardware() -> str:
     return f"CPU {cpu}"
 
 
-def _apex() -> dict[str, Any] | None:
+def _apex() -> Apex | None:
     """The apex the runs import: where, its version (``"unknown"`` for a build without package metadata, as a
     source checkout on the path), and whether it is this repository's CPU test double; None without apex."""
     found = apex_loader.installation()
@@ -729,7 +450,7 @@ def _apex() -> dict[str, Any] | None:
     return {"location": found["location"], "version": version, "test_double": found["test_double"]}
 
 
-def write(report: dict[str, Any], out: Path) -> int:
+def write(report: Report, out: Path) -> int:
     """Write ``compare.json`` and, with matplotlib, ``compare.png``; returns the exit status of ``compare``."""
 
     (out / JSON_FILE).write_text(json.dumps(_finite(report), indent=2))
@@ -742,7 +463,7 @@ def write(report: dict[str, Any], out: Path) -> int:
     statuses = {entry["status"] for entry in report["candidates"]}
     if not report["comparable"] or report["problem"]:
         return 2
-    return 1 if statuses & {"apart", "failed"} else 0
+    return 1 if statuses & {APART, FAILED} else 0
 
 
 def _finite(value: Any) -> Any:

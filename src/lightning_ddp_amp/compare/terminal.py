@@ -7,17 +7,49 @@ only; the terminal names the verdicts and the numbers they rest on.
 from __future__ import annotations
 
 import textwrap
-from typing import Any
 
 from lightning_ddp_amp.compare.report import percent
+from lightning_ddp_amp.compare.schema import (
+    ABOVE,
+    APART,
+    BASELINE,
+    BELOW,
+    CLOSE,
+    FAILED,
+    IDENTICAL,
+    LOSS,
+    NOISE_FLOOR,
+    WITHIN_THE_SPREAD,
+    Call,
+    CandidateEntry,
+    MetricSummary,
+    Overflow,
+    Report,
+    Series,
+    Summary,
+)
 
 #: The widest line the report prints.
 WIDTH = 100
 #: The label column of a block.
 LABEL = 18
+#: How a candidate's step time is said against the baseline's, by its call (None: no spread to call it against).
+TIME_SAID: dict[Call | None, str] = {
+    ABOVE: "slower",
+    BELOW: "faster",
+    WITHIN_THE_SPREAD: "not faster or slower",
+    None: "not faster or slower",
+}
+#: How its peak memory is said.
+MEMORY_SAID: dict[Call | None, str] = {
+    ABOVE: "more",
+    BELOW: "less",
+    WITHIN_THE_SPREAD: "the same within the spread",
+    None: "spread unknown",
+}
 
 
-def render(report: dict[str, Any]) -> str:
+def render(report: Report) -> str:
     """The report as the terminal shows it (see the module docstring)."""
     entries = report["candidates"]
     lines = [
@@ -36,7 +68,7 @@ def render(report: dict[str, Any]) -> str:
             )
     if not report["comparable"]:
         for entry in entries:
-            if entry["status"] == "failed":
+            if entry["status"] == FAILED:
                 lines += _wrap(f"  {entry['name']}: FAILED: {entry['reason']}{_crashed_at(entry)}", "    ")
         lines += _wrap(f"NOT COMPARED: {report['problem']}", "  ")
         return "\n".join(lines)
@@ -46,25 +78,26 @@ def render(report: dict[str, Any]) -> str:
         lines += _block(entry, report)
     lines.append("")
     for entry in entries:
-        if entry["status"] in ("identical", "close", "apart"):
+        if entry["status"] in (IDENTICAL, CLOSE, APART):
             lines += _wrap(f"{entry['name']}: {entry['status'].upper()}: {entry['reason']}", "  ")
-        elif entry["status"] == "failed":
+        elif entry["status"] == FAILED:
             lines += _wrap(f"{entry['name']}: FAILED: {entry['reason']}{_crashed_at(entry)}", "  ")
     if report["problem"]:
         lines += _wrap(f"PROBLEM: {report['problem']}", "  ")
     return "\n".join(lines)
 
 
-def _steps_run(report: dict[str, Any]) -> str:
+def _steps_run(report: Report) -> str:
     """How many steps the runs that finished took, beside ``--steps`` where the script stopped them sooner."""
-    taken = sorted({len(e["series"]["step"]) for e in report["candidates"] if e["series"] and e["status"] != "failed"})
+    series = [e["series"] for e in report["candidates"] if e["status"] != FAILED]
+    taken = sorted({len(each["step"]) for each in series if each})
     if not taken or taken == [report["steps"]]:
         return f"{report['steps']} steps"
     counted = f"{taken[0]} steps" if len(taken) == 1 else f"{taken[0]} to {taken[-1]} steps"
     return f"{counted} (--steps {report['steps']}; the script's max_steps or max_epochs stopped them sooner)"
 
 
-def _context(report: dict[str, Any]) -> list[str]:
+def _context(report: Report) -> list[str]:
     """The noise floor and the spread, said once above the blocks."""
     lines = []
     noise = report.get("noise_floor")
@@ -75,10 +108,9 @@ def _context(report: dict[str, Any]) -> list[str]:
             f" {percent(noise['final_loss_relative_difference'])}",
             "    ",
         )
-    spread = report.get("spread") or {}
-    if spread.get("step_time") is not None:
-        between = spread.get("step_time_between_baseline_runs")
-        memory = spread.get("peak_memory")
+    spread = report.get("spread")
+    if spread and spread["step_time"] is not None:
+        between, memory = spread["step_time_between_baseline_runs"], spread["peak_memory"]
         lines += _wrap(
             f"  spread: step time ±{percent(spread['step_time'])}"
             + (
@@ -92,26 +124,25 @@ def _context(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _block(entry: dict[str, Any], report: dict[str, Any]) -> list[str]:
-    status = {"baseline": "BASELINE", "noise floor": "NOISE FLOOR"}.get(entry["status"], entry["status"].upper())
-    lines = [f"{entry['name']}  {status}"]
-    summary = entry["summary"]
-    if summary is None:
-        if entry["series"]:
-            lines.append(_row("steps", f"{len(entry['series']['step'])} taken before it failed"))
+def _block(entry: CandidateEntry, report: Report) -> list[str]:
+    lines = [f"{entry['name']}  {entry['status'].upper()}"]
+    summary, series = entry["summary"], entry["series"]
+    if summary is None or series is None:  # a compared run has both
+        if series:
+            lines.append(_row("steps", f"{len(series['step'])} taken before it failed"))
         return lines
-    lines.append(_row("ran as", f"{entry['ran_as']}, {_steps(entry)}"))
+    lines.append(_row("ran as", f"{entry['ran_as']}, {_steps(series, entry['restarts'])}"))
     loss = f"{summary['final_loss']:.6g}"
-    if entry["status"] != "baseline":
+    if entry["status"] != BASELINE:
         loss += (
             f" ({percent(summary['final_loss_relative_difference'])} from the baseline's; per step max"
             f" {percent(summary['max_relative_loss_difference'])}, mean"
             f" {percent(summary['mean_relative_loss_difference'])})"
         )
     lines.append(_row("final loss", loss))
-    if entry["status"] != "baseline":
+    if entry["status"] != BASELINE:
         noise = report.get("noise_floor")
-        floor = f"; noise floor {percent(noise['weight_distance'])}" if noise and entry["role"] != "noise floor" else ""
+        floor = f"; noise floor {percent(noise['weight_distance'])}" if noise and entry["role"] != NOISE_FLOOR else ""
         lines.append(
             _row(
                 "weights",
@@ -122,14 +153,14 @@ def _block(entry: dict[str, Any], report: dict[str, Any]) -> list[str]:
         if summary["first_step_apart"] is not None:
             lines.append(_row("first step apart", str(summary["first_step_apart"])))
     for name, metric in summary["metrics"].items():
-        lines.append(_row(name, _metric(metric, entry["status"] == "baseline")))
+        lines.append(_row(name, _metric(metric, entry["status"] == BASELINE)))
     lines.append(_row("skipped steps", _skips(summary)))
     for overflow in entry["overflows"][:3]:
         lines += _wrap(_row("overflow", _overflow(overflow)), " " * (LABEL + 2))
     if len(entry["overflows"]) > 3:
         lines.append(_row("", f"... {len(entry['overflows']) - 3} more in compare.json"))
-    lines.append(_row("step time", _time(summary, entry["status"] == "baseline")))
-    lines.append(_row("peak memory", _memory(summary, entry["status"] == "baseline")))
+    lines.append(_row("step time", _time(summary, entry["status"] == BASELINE)))
+    lines.append(_row("peak memory", _memory(summary, entry["status"] == BASELINE)))
     return [line for text in lines for line in _wrap(text, " " * (LABEL + 2))]
 
 
@@ -137,13 +168,13 @@ def _row(label: str, text: str) -> str:
     return f"  {label:<{LABEL - 1}} {text}"  # a metric's name may be longer than the column: a space still follows
 
 
-def _steps(entry: dict[str, Any]) -> str:
-    steps = entry["series"]["step"]
+def _steps(series: Series, restarts: int | None) -> str:
+    steps = series["step"]
     text = f"{len(steps)} steps" + (f" from step {steps[0]}" if steps and steps[0] else "")
-    return text + (f", after {entry['restarts']} restart(s)" if entry["restarts"] else "")
+    return text + (f", after {restarts} restart(s)" if restarts else "")
 
 
-def _metric(metric: dict[str, Any], baseline: bool) -> str:
+def _metric(metric: MetricSummary, baseline: bool) -> str:
     stage = f" ({metric['stage']})"
     if metric["value"] is None:
         return f"not logged{stage}"
@@ -152,7 +183,7 @@ def _metric(metric: dict[str, Any], baseline: bool) -> str:
     return f"{metric['value']:.6g}, baseline {metric['baseline']:.6g}, difference {metric['difference']:+.3g}{stage}"
 
 
-def _skips(summary: dict[str, Any]) -> str:
+def _skips(summary: Summary) -> str:
     steps = summary["skipped_steps"]
     scale = summary["final_loss_scale"]
     text = "0" if not steps else f"{len(steps)} ({', '.join(map(str, steps[:5]))}{', ...' if len(steps) > 5 else ''})"
@@ -166,17 +197,17 @@ def _skips(summary: dict[str, Any]) -> str:
     return text
 
 
-def _overflow(overflow: dict[str, Any]) -> str:
+def _overflow(overflow: Overflow) -> str:
     where = f"step {overflow['step']}"
     if overflow["module"] is None:
         return f"{where}: {overflow['phase']}: {overflow['note']}"
     largest = "" if overflow["max_finite"] is None else f", largest finite {overflow['max_finite']:.3g}"
-    if overflow["phase"] == "loss":
+    if overflow["phase"] == LOSS:
         return f"{where}: the {overflow['tensor']} is not finite ({overflow['dtype']}{largest})"
     return f"{where}: {overflow['module']}, {overflow['phase']} ({overflow['tensor']}, {overflow['dtype']}{largest})"
 
 
-def _time(summary: dict[str, Any], baseline: bool) -> str:
+def _time(summary: Summary, baseline: bool) -> str:
     times = summary["step_time_s"]
     if not times:
         return "-"
@@ -184,23 +215,20 @@ def _time(summary: dict[str, Any], baseline: bool) -> str:
         f"{times['median'] * 1000:.3g} ms median ({times['p25'] * 1000:.3g}-{times['p75'] * 1000:.3g} ms middle half)"
     )
     if not baseline and summary["step_time_ratio"]:
-        call = {"above": "slower", "below": "faster"}.get(summary["step_time_call"] or "", "not faster or slower")
-        text += f", x{summary['step_time_ratio']:.2f}: {call}"
+        text += f", x{summary['step_time_ratio']:.2f}: {TIME_SAID[summary['step_time_call']]}"
     return text
 
 
-def _memory(summary: dict[str, Any], baseline: bool) -> str:
+def _memory(summary: Summary, baseline: bool) -> str:
     text = f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB"
     if not baseline and summary["peak_memory_ratio"]:
-        call = {"above": "more", "below": "less", "within the spread": "the same within the spread"}.get(
-            summary["peak_memory_call"] or "", "spread unknown"
-        )
-        text += f", x{summary['peak_memory_ratio']:.3f} ({call})"
+        text += f", x{summary['peak_memory_ratio']:.3f} ({MEMORY_SAID[summary['peak_memory_call']]})"
     return text
 
 
-def _crashed_at(entry: dict[str, Any]) -> str:
-    steps = (entry.get("series") or {}).get("step") or []
+def _crashed_at(entry: CandidateEntry) -> str:
+    series = entry["series"]
+    steps = series["step"] if series else []
     plural = "" if len(steps) == 1 else "s"
     return f" (after {len(steps)} step{plural}, kept in compare.json)" if steps else ""
 

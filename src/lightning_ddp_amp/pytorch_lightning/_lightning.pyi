@@ -28,7 +28,7 @@ from lightning_fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
 # Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
-# re-exported for compare_recorder, which turns off the loggers it cannot point into a run's folder.
+# re-exported for compare/patching.py, which turns off the loggers it cannot point into a run's folder.
 from pytorch_lightning.loggers.logger import DummyLogger as DummyLogger
 
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module

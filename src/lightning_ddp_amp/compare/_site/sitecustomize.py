@@ -1,7 +1,7 @@
 """Python runs this at start-up in every process of a ``lightning-ddp-amp compare`` run (agents and ranks alike).
 
 It imports nothing heavy: it waits for the script to import ``lightning`` or ``pytorch_lightning``, then has
-:mod:`lightning_ddp_amp.compare.recorder` patch that namespace's Trainer, so the script runs unchanged. An
+:mod:`lightning_ddp_amp.compare.patching` patch that namespace's Trainer, so the script runs unchanged. An
 uncaught exception is written to the run's folder, so that the report can name it. Any ``sitecustomize`` this
 folder shadows (a virtualenv's, a distribution's) runs afterwards, as it would have without compare.
 """
@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType, TracebackType
 
-#: Names the plan file of the run; compare sets it, and nothing here is active without it.
+#: Names the plan file of the run; compare sets it, and nothing here is active without it. It and the ``errors``
+#: folder are :mod:`lightning_ddp_amp.compare.run_folder`'s names, written again: this file imports nothing of the package.
 PLAN_VARIABLE = "LIGHTNING_DDP_AMP_COMPARE"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _NAMESPACES = ("lightning", "pytorch_lightning")
@@ -63,9 +64,9 @@ class _ThenPatch(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        from lightning_ddp_amp.compare import recorder as compare_recorder
+        from lightning_ddp_amp.compare import patching
 
-        compare_recorder.patch(module.__name__, os.environ[PLAN_VARIABLE])
+        patching.patch(module.__name__, os.environ[PLAN_VARIABLE])
 
 
 def _record_uncaught(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:

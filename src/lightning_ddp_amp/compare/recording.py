@@ -1,22 +1,7 @@
-"""Inside each run of ``lightning-ddp-amp compare``: the Trainer the script builds, and what each optimizer step did.
+"""Inside each run of ``lightning-ddp-amp compare``: what each optimizer step of the script's first ``fit`` did.
 
-:mod:`lightning_ddp_amp.compare` starts the user's command with ``_compare_site`` first on ``PYTHONPATH`` and a
-plan file named in ``LIGHTNING_DDP_AMP_COMPARE``; that folder's ``sitecustomize`` calls :func:`patch` as soon as the
-script imports ``lightning`` or ``pytorch_lightning``. From then on every ``Trainer(...)`` of the script is built
-with these changes, which rank 0 lists once when ``fit`` starts:
-
-* ``precision`` becomes the candidate's, and any precision plugin in ``plugins`` is removed (Lightning refuses
-  both at once);
-* ``max_steps`` becomes the plan's number of steps (after the plan's checkpoint's own), unless the script asks for
-  fewer;
-* ``default_root_dir``, every ``ModelCheckpoint`` with a ``dirpath``, and CSV and TensorBoard loggers point into the
-  candidate's folder; any other logger is turned off, since it cannot be pointed elsewhere. LightningCLI saves its
-  config in the log directory, so it lands there too;
-* ``fit`` starts from the plan's checkpoint when the script passes no ``ckpt_path``;
-* a :class:`Recording` callback is added.
-
-A strategy that restores a checkpoint only after its ``setup`` (``restore_checkpoint_after_setup``: FSDP, DeepSpeed)
-is refused when the Trainer is built: the starting weights are compared where ``setup`` begins.
+:mod:`~lightning_ddp_amp.compare.patching` adds a :class:`Recording` callback to every Trainer of the run; the one
+of the process's first ``fit`` records it.
 
 A *step* is one call of an optimizer's ``step`` through Lightning, skipped AMP steps included; that is what
 Lightning's ``global_step`` and ``max_steps`` count, and ``max_steps`` ends ``fit`` even before ``min_steps`` or
@@ -26,23 +11,18 @@ global norm of the gradients of what the optimizer steps (before clipping, after
 the step was skipped, the learning rate and the step's time (CUDA events on a GPU). One value is read back per step:
 whether the gradient norm is finite (as loss scalers read their overflow flag); when it is not,
 :mod:`~lightning_ddp_amp.compare.overflow` locates where. The rest stays on the device until ``fit`` ends; then one
-``all_gather_object`` brings every rank's record to rank 0, which writes ``record.json`` and the final weights.
+``all_gather_object`` brings every rank's record to rank 0, which writes ``record.json`` and the final weights
+(:mod:`~lightning_ddp_amp.compare.run_folder`).
 
 Along the way: at the plan's snapshot steps the baseline's rank 0 saves its weights and any other run's rank 0
 measures its distance to them; each validation and test run's logged metrics are kept (and the record rewritten
 for a ``validate`` or ``test`` after ``fit``); a run that raises keeps its steps, each rank in its own file.
-
-The module imports no Lightning namespace itself: :func:`patch` is given one, and what it needs of Lightning's
-private API comes from that namespace's flavour of :mod:`lightning_ddp_amp._lightning`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import importlib
-import inspect
 import json
 import math
 import os
@@ -57,65 +37,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_ddp_amp.compare import overflow
-from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
-from lightning_ddp_amp.precision_strings import PRECISION_FLAG
-
-#: The environment variable naming a run's plan file (``_compare_site/sitecustomize.py`` reads it too).
-PLAN_VARIABLE = "LIGHTNING_DDP_AMP_COMPARE"
-#: What a run writes into its folder: the gathered record, the final weights, and (baseline only) the first ones.
-RECORD_FILE = "record.json"
-FINAL_WEIGHTS = "weights-final.pt"
-START_WEIGHTS = "weights-start.pt"
-_MARK = "__lightning_ddp_amp_compare__"
-#: What a script's own AmpPrecision keeps when compare changes its level or backend.
-CARRIED_SETTINGS = (
-    "models",
-    "keep_batchnorm_fp32",
-    "loss_scale",
-    "num_losses",
-    "min_loss_scale",
-    "max_loss_scale",
-    "cast_model_outputs",
+from lightning_ddp_amp.compare import overflow, run_folder
+from lightning_ddp_amp.compare.run_folder import FINAL_WEIGHTS, START_WEIGHTS, Plan, partial_file, snapshot_file
+from lightning_ddp_amp.compare.schema import (
+    CUDA_MAX_MEMORY_ALLOCATED,
+    PROCESS_MAX_RSS,
+    TEST,
+    VALIDATE,
+    Evaluation,
+    Stage,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one candidate run changes, written by ``compare`` as ``plan.json`` in the candidate's folder.
-
-    Args:
-        candidate: The candidate's name in messages and the report.
-        precision: The ``Trainer(precision=...)`` value to train with.
-        steps: The most optimizer steps to take.
-        directory: The candidate's folder, for checkpoints, logs and the record.
-        ckpt: The checkpoint ``fit`` starts from when the script passes none.
-        save_start: Also save the weights as they are before the first step (the baseline does, for distances).
-        first_step: The global step ``ckpt`` was saved at: the run takes ``steps`` more.
-        snapshots: The global steps after which the weights are compared with the baseline's as training goes: the
-            baseline saves its weights there, every other run measures its distance to them.
-        baseline_directory: The baseline's folder, where those weights are.
-        perturb: Move every initial weight one ulp up after the starting weights are hashed: the noise-floor run.
-    """
-
-    candidate: str
-    precision: str
-    steps: int
-    directory: str
-    ckpt: str | None = None
-    save_start: bool = False
-    first_step: int = 0
-    snapshots: tuple[int, ...] = ()
-    baseline_directory: str | None = None
-    perturb: bool = False
-
-    def write(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
-
-    @classmethod
-    def read(cls, path: str | Path) -> Plan:
-        fields = json.loads(Path(path).read_text())
-        return cls(**{**fields, "snapshots": tuple(fields.get("snapshots", ()))})
+from lightning_ddp_amp.compare.summary import weight_distance
 
 
 @dataclasses.dataclass
@@ -132,170 +64,6 @@ class Changes:
         return "\n".join(lines)
 
 
-def patch(namespace: str, plan_file: str) -> None:
-    """Patch ``Trainer.__init__`` and ``Trainer.fit`` of ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``).
-
-    Importing :mod:`lightning_ddp_amp` first registers ``"envddp"`` and the ``"apex-O*"`` / ``"amp-O*"`` values, so
-    a script that never imports the package can be compared under them. Idempotent.
-    """
-    import lightning_ddp_amp  # noqa: F401  (registers the strategy and the precision values)
-
-    module = sys.modules[namespace]
-    pl: Any = module.pytorch if namespace == "lightning" else module  # lightning.pytorch, or pytorch_lightning
-    trainer_class = pl.Trainer
-    if getattr(trainer_class.__init__, _MARK, False):
-        return
-    plan = Plan.read(plan_file)
-    recording_class = type("CompareRecording", (Recording, pl.Callback), {"_pl": pl})
-    init, fit = trainer_class.__init__, trainer_class.fit
-    init_signature, fit_signature = inspect.signature(init), inspect.signature(fit)
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        given = init_signature.bind(self, *args, **kwargs).arguments
-        changes = Changes()
-        _replace_arguments(given, _trainer_defaults(type(self), init_signature, pl), plan, changes, pl)
-        given["callbacks"] = [*_as_list(given.get("callbacks")), recording_class(plan, changes)]
-        init(given.pop("self"), **given)
-        check_restores_before_setup(self.strategy)
-        _redirect_checkpoints(self, plan, changes, pl)
-
-    @functools.wraps(fit)
-    def fit_from_plan(self: Any, *args: Any, **kwargs: Any) -> Any:
-        given = fit_signature.bind(self, *args, **kwargs).arguments
-        if plan.ckpt is not None and given.get("ckpt_path") is None:
-            given["ckpt_path"] = plan.ckpt
-        return fit(given.pop("self"), **given)
-
-    setattr(__init__, _MARK, True)
-    trainer_class.__init__ = __init__
-    trainer_class.fit = fit_from_plan
-
-
-def check_restores_before_setup(strategy: Any) -> None:
-    """Refuse a strategy that restores a checkpoint after its ``setup``, where compare hashes the starting weights.
-
-    Raises:
-        StrategyConfigurationError: ``strategy.restore_checkpoint_after_setup`` is True (FSDP, DeepSpeed).
-    """
-    if strategy.restore_checkpoint_after_setup:
-        raise StrategyConfigurationError(
-            "strategy",
-            type(strategy).__name__,
-            "it restores a checkpoint only after strategy.setup (restore_checkpoint_after_setup=True), but compare"
-            " checks that every run starts from the same weights when strategy.setup begins",
-            "compare under a strategy that restores checkpoints before its setup, e.g. strategy='envddp' or 'ddp'",
-        )
-
-
-def _trainer_defaults(trainer_class: type[Any], signature: inspect.Signature, pl: Any) -> dict[str, Any]:
-    """The value each argument left out of ``Trainer(...)`` takes: ``PL_TRAINER_*`` environment variables as Lightning
-    reads them, else the signature's default."""
-    defaults = {
-        name: parameter.default
-        for name, parameter in signature.parameters.items()
-        if parameter.default is not inspect.Parameter.empty
-    }
-    return {**defaults, **_fence(pl).trainer_env_defaults(trainer_class)}
-
-
-def _replace_arguments(
-    given: dict[str, Any], defaults: Mapping[str, Any], plan: Plan, changes: Changes, pl: Any
-) -> None:
-    """Change the Trainer's arguments as the module docstring lists; only given names are passed on, so Lightning's
-    ``PL_TRAINER_*`` environment defaults still apply to the rest.
-
-    Args:
-        given: The arguments the script passed, by name; changed in place.
-        defaults: The value of each argument left out (:func:`_trainer_defaults`).
-        plan: This run's plan.
-        changes: Where the changes are listed.
-        pl: The Lightning namespace of the Trainer.
-    """
-
-    def value(name: str) -> Any:
-        return given[name] if name in given else defaults[name]
-
-    changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
-    plugins = _as_list(value("plugins"))
-    removed = [plugin for plugin in plugins if isinstance(plugin, pl.plugins.precision.Precision)]
-    if removed:
-        plugins = [plugin for plugin in plugins if plugin not in removed]
-        changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
-    level = PRECISION_FLAG.match(plan.precision)
-    configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
-    if level is None:
-        given["precision"] = plan.precision
-    else:  # AmpPrecision itself: a removed AmpPrecision's settings carry over
-        family, opt_level = level.groups()
-        backend = {"apex": "apex", "amp": "auto", "native": "native"}[family]
-        given["precision"] = None
-        plugins.append(_amp_plugin(pl, opt_level, backend, configured, changes))
-    if removed or level is not None:
-        given["plugins"] = plugins
-    max_steps, last = value("max_steps"), plan.first_step + plan.steps
-    if max_steps is None or max_steps < 0 or max_steps > last:
-        changes.replaced.append(f"max_steps={max_steps!r} -> {last}")
-        given["max_steps"] = last
-    changes.replaced.append(f"default_root_dir={value('default_root_dir')!r} -> {plan.directory!r}")
-    given["default_root_dir"] = plan.directory
-    logger = value("logger")
-    if logger not in (None, True, False):
-        kept = []
-        logs = os.path.join(plan.directory, "logs")
-        for each in _as_list(logger):
-            try:
-                if not isinstance(each, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
-                    raise TypeError(type(each).__name__)
-                kept.append(type(each)(save_dir=logs, name=each.name))
-                changes.replaced.append(f"{type(each).__name__} writes to {logs!r}")
-            except TypeError:
-                # A logger of its own kind, or a subclass built otherwise: it cannot be pointed elsewhere. Lightning's
-                # dummy swallows what the script logs through it (`self.logger.experiment.log(...)`); its folder is
-                # the candidate's, where LightningCLI saves its config.
-                dummy = type(
-                    "TurnedOffLogger",
-                    (_fence(pl).DummyLogger,),
-                    {"save_dir": property(lambda _: logs)},
-                )
-                kept.append(dummy())
-                changes.turned_off.append(type(each).__name__)
-        given["logger"] = kept
-
-
-def _amp_plugin(pl: Any, opt_level: str, backend: str, configured: Any, changes: Changes) -> Any:
-    """AmpPrecision at ``opt_level`` on ``backend``, with the settings of the script's own AmpPrecision, if any."""
-    amp_precision = _amp_precision(pl)
-    if configured is None:
-        return amp_precision(opt_level=opt_level, backend=backend)
-    settings = {name: getattr(configured, name) for name in CARRIED_SETTINGS}
-    settings["dtype"] = "bfloat16" if configured.dtype == torch.bfloat16 else "float16"
-    try:
-        built = amp_precision(opt_level=opt_level, backend=backend, **settings)
-    except PrecisionConfigurationError as error:  # a setting this level refuses (keep_batchnorm_fp32 under O1, ...)
-        kept = {name: settings[name] for name in ("models", "num_losses")}
-        built = amp_precision(opt_level=opt_level, backend=backend, **kept)
-        changes.replaced.append(f"kept only models and num_losses of the script's AmpPrecision ({error})")
-    else:
-        changes.replaced.append("kept the script's AmpPrecision settings (models, num_losses, loss scale, ...)")
-    return built
-
-
-def _amp_precision(pl: Any) -> Any:
-    """AmpPrecision of the namespace the Trainer belongs to."""
-    return importlib.import_module(_flavour(pl)).AmpPrecision
-
-
-def _fence(pl: Any) -> Any:
-    """:mod:`lightning_ddp_amp._lightning` of the namespace the Trainer belongs to."""
-    return importlib.import_module(f"{_flavour(pl)}._lightning")
-
-
-def _flavour(pl: Any) -> str:
-    """This package, or its ``pytorch_lightning`` flavour, for the Lightning namespace ``pl``."""
-    return "lightning_ddp_amp.pytorch_lightning" if pl.__name__ == "pytorch_lightning" else "lightning_ddp_amp"
-
-
 def ran_as(plugin: Any) -> str:
     """What a precision plugin trains with, in a few words: ``"native amp O1"``, ``"MixedPrecision 16-mixed"``."""
     if hasattr(plugin, "amp_backend"):
@@ -303,37 +71,35 @@ def ran_as(plugin: Any) -> str:
     return f"{type(plugin).__name__} {getattr(plugin, 'precision', '')}".strip()
 
 
-def _redirect_checkpoints(trainer: Any, plan: Plan, changes: Changes, pl: Any) -> None:
-    """Every ModelCheckpoint with its own ``dirpath`` saves into the candidate's folder instead (so ``auto_resume``,
-    which reads those directories, only ever finds this candidate's checkpoints)."""
-    inside = os.path.realpath(plan.directory) + os.sep
-    callbacks = [
-        cb
-        for cb in trainer.callbacks
-        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath and not (cb.dirpath + os.sep).startswith(inside)
-    ]
-    for index, callback in enumerate(callbacks):
-        folder = os.path.join(plan.directory, "checkpoints" if len(callbacks) == 1 else f"checkpoints-{index}")
-        changes.replaced.append(f"ModelCheckpoint(dirpath={callback.dirpath!r}) -> {folder!r}")
-        callback.dirpath = folder
-
-
-def _as_list(value: Any) -> list[Any]:
-    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-
-
 class Recording:
-    """The callback of a compare run; :func:`patch` mixes it with the namespace's ``Callback``."""
+    """The callback of a compare run; :func:`~lightning_ddp_amp.compare.patching.patch` mixes it with the
+    namespace's ``Callback``.
 
-    #: The Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``), set on the mixed class.
-    _pl: Any = None
+    Args:
+        plan: The run's plan.
+        changes: What the Trainer's arguments were changed to; rank 0 says them when the first ``fit`` starts, and the
+            record lists them.
+        redirect_checkpoints: Points the Trainer's ModelCheckpoints into the run's folder; called again when ``fit``
+            starts, for those ``LightningModule.configure_callbacks()`` added.
+        evaluation_metrics: What the script logged in the validation or test run that is ending
+            (:func:`lightning_ddp_amp._lightning.evaluation_metrics` of the Trainer's namespace).
+    """
+
     #: The recording of the process's first ``fit``, set on the mixed class: the one that writes the record. A later
     #: Trainer's (``Trainer(devices=1).test(model)`` after a DDP fit) validation and test runs are added to it.
     first: Recording | None = None
 
-    def __init__(self, plan: Plan, changes: Changes) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        changes: Changes,
+        redirect_checkpoints: Callable[[Any], None],
+        evaluation_metrics: Callable[[Any], dict[str, float]],
+    ) -> None:
         self.plan = plan
         self.changes = changes
+        self._redirect_checkpoints = redirect_checkpoints
+        self._evaluation_metrics = evaluation_metrics
         self._active = False  # this recording's Trainer runs the process's first fit
         self._finished = False  # that fit ended (on every rank): nothing more is recorded as training
         self.final_step: int | None = None  # the global step that fit ended at
@@ -357,7 +123,7 @@ class Recording:
         self._snapshot_steps: list[int] = []  # the global steps the weights were measured at
         self._snapshots_reached: list[int] = []  # the plan's snapshots those measurements stand for
         self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
-        self._evaluations: list[dict[str, Any]] = []
+        self._evaluations: list[Evaluation] = []
         self._document: dict[str, Any] | None = None
 
     # -- hooks -------------------------------------------------------------------------------------------------------
@@ -368,7 +134,7 @@ class Recording:
         type(self).first = self
         self._active = True
         # ModelCheckpoints of LightningModule.configure_callbacks() joined the Trainer inside fit, before this hook.
-        _redirect_checkpoints(trainer, self.plan, self.changes, self._pl)
+        self._redirect_checkpoints(trainer)
         if trainer.global_rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             print(self.changes.describe(self.plan.candidate), file=sys.stderr, flush=True)
         strategy, plugin = trainer.strategy, trainer.precision_plugin
@@ -501,22 +267,22 @@ class Recording:
         self._distances.append((done, weight_distance(weights, base, self._baseline_start)))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._evaluated(trainer, "validate")
+        self._evaluated(trainer, VALIDATE)
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
-        self._evaluated(trainer, "test")
+        self._evaluated(trainer, TEST)
 
-    def _evaluated(self, trainer: Any, stage: str) -> None:
+    def _evaluated(self, trainer: Any, stage: Stage) -> None:
         """Keep what the script logged in this validation or test run, as rank 0 holds it (what loggers write)."""
         if trainer.sanity_checking or trainer.global_rank != 0:
             return
         owner = type(self).first or self  # the first fit's recording, whichever Trainer evaluates
-        metrics = _fence(self._pl).evaluation_metrics(trainer)
+        metrics = self._evaluation_metrics(trainer)
         # Another Trainer's steps start again at 0 (or its checkpoint's): its evaluation is put where the fit ended.
         step = int(trainer.global_step) if owner is self or owner.final_step is None else owner.final_step
         owner.add_evaluation({"stage": stage, "step": step, "metrics": metrics})
 
-    def add_evaluation(self, evaluation: dict[str, Any]) -> None:
+    def add_evaluation(self, evaluation: Evaluation) -> None:
         """Keep a validation or test run's metrics; after fit the record is rewritten with them."""
         self._evaluations.append(evaluation)
         if self._document is not None:
@@ -571,10 +337,7 @@ class Recording:
     def _write(self) -> None:
         assert self._document is not None
         document = {**self._document, "evaluations": self._evaluations, "weight_distances": self._distances}
-        folder = Path(self.plan.directory)
-        temporary = folder / f"{RECORD_FILE}.tmp"
-        temporary.write_text(json.dumps(document))
-        temporary.replace(folder / RECORD_FILE)
+        run_folder.write_record(Path(self.plan.directory), document)
 
     def _pad_series(self) -> None:
         """A step outside a training batch (an optimizer stepped in another hook) has no batch time or skip flag."""
@@ -606,42 +369,11 @@ class Recording:
             "lr": self._lr,
             "step_time_s": times,
             "peak_memory_bytes": peak,
-            "peak_memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "process_max_rss",
+            "peak_memory_kind": CUDA_MAX_MEMORY_ALLOCATED if device.type == "cuda" else PROCESS_MAX_RSS,
             "overflows": self._overflows,
             # The step after each snapshot: the other ranks wait in it for rank 0, which saved or read weights.
             "slowed_steps": list(self._snapshot_steps),
         }
-
-
-def timed_steps(series: dict[str, Any]) -> list[tuple[int, float | None]]:
-    """``(step, step time)`` without the first step (warm-up) and the steps slowed by rank 0 measuring weight
-    distances: what the step-time statistics and the picture use."""
-    slowed = set(series["slowed_steps"])
-    pairs = zip(series["step"], series["step_time_s"], strict=True)
-    return [(step, t) for index, (step, t) in enumerate(pairs) if index and step not in slowed]
-
-
-def snapshot_file(step: int) -> str:
-    return f"weights-step{step}.pt"
-
-
-def partial_file(rank: int | str) -> str:
-    """What a rank of a crashed run wrote: its steps, up to the crash (``"*"``: every rank's, as a glob)."""
-    return f"record-rank{rank}.partial.json"
-
-
-def weight_distance(
-    weights: Mapping[str, Tensor], base: Mapping[str, Tensor], start: Mapping[str, Tensor], names: Any = None
-) -> float | None:
-    """``‖w - w_baseline‖ / ‖w_baseline - w_start‖`` over ``names`` (default: all); None when none are shared."""
-    names = [name for name in (weights if names is None else names) if name in base and name in start]
-    if not names:
-        return None
-    apart = math.sqrt(sum(float((weights[n] - base[n]).double().square().sum()) for n in names))
-    travel = math.sqrt(sum(float((base[n] - start[n]).double().square().sum()) for n in names))
-    if travel == 0:
-        return 0.0 if apart == 0 else math.inf
-    return apart / travel
 
 
 def _one_ulp_up(pl_module: Any) -> None:
