@@ -41,6 +41,7 @@ NOT_LIGHTNING = {
     "_amp_stash": "apex amp's state on an optimizer",
     "_amp_lazy_init": "apex amp's optimizer hook",
     "_amp_state": "apex amp's module state, which holds O1's handle",
+    "_VF": "torch.nn.modules.rnn's reference to torch's RNN functions, which apex O1 replaces by its shim (apex_o1)",
     "_enable_caching": "apex amp's O1 handle: what amp.init(enable_caching=False) sets",
     "_get_scale_async": "torch's GradScaler: its scale without the device sync of get_scale() (compare.recording)",
     "_weights_only_unpickler": "torch's module of its weights-only unpickler (safe_load)",

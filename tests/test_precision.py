@@ -989,7 +989,7 @@ def test_a_transformer_under_apex_o1_on_a_torch_without_the_fast_path_switch_is_
     apex_double: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As on torch 2.1 and 2.2 (named by its path: the native backend's tests run without the apex module).
-    monkeypatch.setattr("lightning_ddp_amp.amp.apex_backend._attention_fast_path_switch", lambda: None)
+    monkeypatch.setattr("lightning_ddp_amp.amp.apex_o1._attention_fast_path_switch", lambda: None)
     t = fit(TwoModels(), precision="apex-O1")
     with pytest.raises(
         PrecisionConfigurationError,

@@ -17,7 +17,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from lightning.fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -25,6 +24,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.amp.apex_loader import find_amp, load_apex_module, missing_cuda
+from lightning_ddp_amp.amp.apex_o1 import (
+    hand_rnns_their_input,
+    keep_attention_off_the_fast_path,
+    turn_off_the_weight_cast_cache,
+)
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
@@ -56,59 +60,6 @@ def _explain_set_to_none(apex_zero_grad: Callable[[], None]) -> Callable[..., No
         apex_zero_grad()
 
     return zero_grad
-
-
-def _turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
-    """Let apex O1 cast a weight at each use instead of once per ``scale_loss``.
-
-    apex 25.05's cache of fp16 weight casts fails with ``IndexError: tuple index out of range`` when a weight is used
-    twice before the next ``scale_loss`` (a GAN's discriminator on real and fake data, tied or shared weights;
-    NVIDIA/apex#1228): its check reads ``grad_fn.next_functions[1]``, which a cast has not had since torch 1.12.
-    Uncached, each use casts the weight again: the same fp16 values, and as many casts as before for a weight used
-    once a step. ``_enable_caching`` is what ``amp.init(enable_caching=False)`` sets; ``amp.initialize`` passes none.
-    """
-    handle = getattr(getattr(amp, "_amp_state", None), "handle", None)
-    if getattr(handle, "_enable_caching", False):
-        handle._enable_caching = False  # type: ignore[union-attr]
-
-
-_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
-
-
-def _attention_fast_path_switch() -> Any:
-    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
-    return getattr(torch.backends, "mha", None)
-
-
-def _keep_attention_off_the_fast_path(model: Module) -> None:
-    """Keep ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` on their Python path under apex O1.
-
-    In eval mode without gradients torch runs them as one fused kernel (``torch._transformer_encoder_layer_fwd``),
-    which apex does not patch: it gets O1's fp16 activations beside fp32 weights and fails with "expected m1 and m2 to
-    have the same dtype". Like O1's patches, turning it off lasts for the rest of the process.
-
-    Raises:
-        PrecisionConfigurationError: ``model`` has such a module and this torch has no switch for the fast path.
-    """
-    mha = _attention_fast_path_switch()
-    if mha is not None:
-        if mha.get_fastpath_enabled():
-            mha.set_fastpath_enabled(False)
-            rank_zero_info(
-                "AmpPrecision: apex O1 computes in fp16 through patched torch functions, which torch's fused attention"
-                " fast path bypasses; it is turned off for this process (torch.backends.mha.set_fastpath_enabled(False))"
-            )
-        return
-    fused = [name or "the model" for name, module in model.named_modules() if isinstance(module, _FUSED_ATTENTION)]
-    if fused:
-        raise PrecisionConfigurationError(
-            "torch",
-            torch.__version__,
-            f"in eval mode {fused[0]} runs torch's fused attention kernel, which apex O1's fp16 activations break"
-            " (expected m1 and m2 to have the same dtype), and this torch cannot turn that kernel off",
-            "install torch 2.3 or later (torch.backends.mha turns it off), or use torch's AMP:"
-            ' AmpPrecision(opt_level="O1", backend="native")',
-        )
 
 
 class ApexAmp(AmpBackend):
@@ -204,7 +155,7 @@ class ApexAmp(AmpBackend):
         self.amp.initialize(list(modules), list(optimizers), opt_level=self.opt_level, **self.options)
         _INITIALIZED.add(self.amp)
         if self.opt_level == "O1":
-            _turn_off_the_weight_cast_cache(self.amp)
+            turn_off_the_weight_cast_cache(self.amp)
         self._optimizers = list(optimizers)
         for optimizer in optimizers:
             # apex builds O2's fp32 master weights lazily, at the first backward. Build them now, so that an
@@ -289,8 +240,10 @@ class ApexAmp(AmpBackend):
                 'use strategy="envddp"',
             )
         if self.opt_level == "O1":  # before amp.initialize, which a refusal must leave for the fix to use
-            _keep_attention_off_the_fast_path(model)
+            keep_attention_off_the_fast_path(model)
         self.initialize(selected, optimizers)
+        if self.opt_level == "O1":
+            hand_rnns_their_input(model, self.amp)
         # apex O2/O3 patch the forward of the modules they cast; Lightning calls training_step, not the
         # LightningModule's forward, so when the module itself is selected the batch is cast here instead.
         self._cast_batch = selected == [model] and self.opt_level in ("O2", "O3")
@@ -307,7 +260,8 @@ class ApexAmp(AmpBackend):
         """
         self._cast_batch = model in _BATCH_CAST
         if self.opt_level == "O1" and self.initialized:
-            _keep_attention_off_the_fast_path(model)
+            keep_attention_off_the_fast_path(model)
+            hand_rnns_their_input(model, self.amp)
 
     @override
     def convert_input(self, data: Any) -> Any:

@@ -18,7 +18,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from lightning_fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -26,6 +25,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_amp.amp.apex_loader import find_amp, load_apex_module, missing_cuda
+from lightning_ddp_amp.pytorch_lightning.amp.apex_o1 import (
+    hand_rnns_their_input,
+    keep_attention_off_the_fast_path,
+    turn_off_the_weight_cast_cache,
+)
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, cast_floats
 from lightning_ddp_amp.amp.settings import AmpSettings
 from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError
@@ -45,39 +49,6 @@ def supports_device(amp: ModuleType, device_type: str) -> bool:
 def _explain_set_to_none(apex_zero_grad: Callable[[], None]) -> Callable[..., None]:
     """apex O2's ``zero_grad`` takes no arguments; torch's ``set_to_none`` gets an answer instead of a TypeError."""
 
-    ...
-
-
-def _turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
-    """Let apex O1 cast a weight at each use instead of once per ``scale_loss``.
-
-    apex 25.05's cache of fp16 weight casts fails with ``IndexError: tuple index out of range`` when a weight is used
-    twice before the next ``scale_loss`` (a GAN's discriminator on real and fake data, tied or shared weights;
-    NVIDIA/apex#1228): its check reads ``grad_fn.next_functions[1]``, which a cast has not had since torch 1.12.
-    Uncached, each use casts the weight again: the same fp16 values, and as many casts as before for a weight used
-    once a step. ``_enable_caching`` is what ``amp.init(enable_caching=False)`` sets; ``amp.initialize`` passes none.
-    """
-    ...
-
-
-_FUSED_ATTENTION = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
-
-
-def _attention_fast_path_switch() -> Any:
-    """``torch.backends.mha``, which turns the fused attention path off (torch 2.3 and later); None before."""
-    ...
-
-
-def _keep_attention_off_the_fast_path(model: Module) -> None:
-    """Keep ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` on their Python path under apex O1.
-
-    In eval mode without gradients torch runs them as one fused kernel (``torch._transformer_encoder_layer_fwd``),
-    which apex does not patch: it gets O1's fp16 activations beside fp32 weights and fails with "expected m1 and m2 to
-    have the same dtype". Like O1's patches, turning it off lasts for the rest of the process.
-
-    Raises:
-        PrecisionConfigurationError: ``model`` has such a module and this torch has no switch for the fast path.
-    """
     ...
 
 
