@@ -249,3 +249,50 @@ def test_every_backward_runs_inside_scale_loss(apex_o1: Pair, apex_o2_apex_ddp: 
     for report in [*apex_o1.envddp.reports, *apex_o2_apex_ddp.envddp.reports]:
         assert report["backward_outside_scale_loss"] == 0
         assert len(events(report, "scale_loss")) == report["global_step"] == STEPS
+
+
+# --- RNNs fed by fp16 activations under O1 (workers/rnn_pairs.py) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RNNRun:
+    weights: dict[str, torch.Tensor]
+    dtypes: dict[str, str]
+    logs: list[str]
+
+
+def rnn_run(preloaded: Preloaded, out: Path, mode: str) -> RNNRun:
+    ranks = preloaded.run("rnn_pairs.py", "--out", str(out), "--mode", mode, log=out / "logs")
+    if mode == "lightning":
+        ranks.check()  # the classic script is judged by what it saved (its plain teardown may abort on exit)
+    return RNNRun(torch.load(out / "weights.pt"), json.loads((out / "dtypes.json").read_text()), ranks.logs)
+
+
+@pytest.fixture(scope="module")
+def rnn_pair(preloaded: Preloaded, runs: Path) -> tuple[RNNRun, RNNRun]:
+    return rnn_run(preloaded, runs / "rnn-classic", "classic"), rnn_run(preloaded, runs / "rnn-lightning", "lightning")
+
+
+@needs_cpu_fp16
+def test_lstm_gru_and_rnn_fed_fp16_activations_compute_in_fp16_under_apex_o1(rnn_pair: tuple[RNNRun, RNNRun]) -> None:
+    classic, lightning = rnn_pair
+    half = {"lstm": "torch.float16", "gru": "torch.float16", "rnn": "torch.float16"}
+    assert classic.dtypes == half
+    assert lightning.dtypes == half
+
+
+@needs_cpu_fp16
+def test_rnns_under_apex_o1_end_in_the_weights_of_the_recipe_with_torchs_dtype_check_lifted_by_hand(
+    rnn_pair: tuple[RNNRun, RNNRun],
+) -> None:
+    classic, lightning = rnn_pair
+    assert max_abs_difference(classic.weights, lightning.weights) == 0.0
+    assert all(torch.isfinite(tensor).all() for tensor in lightning.weights.values())
+
+
+@needs_cpu_fp16
+def test_the_rnn_fix_is_said_once_on_rank_zero(rnn_pair: tuple[RNNRun, RNNRun]) -> None:
+    _, lightning = rnn_pair
+    line = "AmpPrecision: apex O1 runs RNNs in fp16 inside torch's _VF calls"
+    assert lightning.logs[0].count(line) == 1
+    assert line not in lightning.logs[1]

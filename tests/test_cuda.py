@@ -302,3 +302,23 @@ def test_real_apex_ddp_on_two_gpus_matches_the_hand_written_recipe(torchrun: Tor
     )
     assert_same_state(pair.envddp / "amp_state.pt", pair.reference)
     assert pair.report()["wrapper"].startswith("apex.parallel.")
+
+
+@pytest.mark.apex
+@real_apex
+def test_real_apex_o1_runs_rnns_fed_fp16_in_fp16_on_cudnns_flat_weights_as_the_recipe(
+    torchrun: Torchrun, tmp_path: Path
+) -> None:
+    # workers/rnn_pairs.py: an LSTM, a GRU and an nn.RNN (packed) fed by a Linear, the recipe with torch's RNN dtype
+    # check lifted by hand against envddp's apex-O1, one rank on cuda:0.
+    runs = {}
+    for mode in ("classic", "lightning"):
+        out = tmp_path / mode
+        run_reference(
+            torchrun, "rnn_pairs.py", "--mode", mode, "--cuda", out=out, saves="weights.pt", env=DETERMINISTIC
+        )
+        runs[mode] = out
+    for mode, out in runs.items():
+        dtypes = json.loads((out / "dtypes.json").read_text())
+        assert dtypes == {"lstm": "torch.float16", "gru": "torch.float16", "rnn": "torch.float16"}, (mode, dtypes)
+    assert_same_state(runs["lightning"] / "weights.pt", runs["classic"] / "weights.pt")

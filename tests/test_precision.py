@@ -1081,3 +1081,51 @@ def test_an_eps_float16_holds_or_fp32_master_weights_train_adam(
 ) -> None:
     t = fit(AdamTwoModels(eps=eps), plugins=[AmpPrecision(opt_level=level, backend="apex")])
     assert t.global_step == 8
+
+
+# --- apex's registration API (a function on none of O1's lists) ---------------------------------------------------
+
+
+class EinsumModel(L.LightningModule):
+    """A Linear, then ``torch.einsum`` with an fp32 parameter: einsum is on none of apex O1's lists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.mix = torch.nn.Parameter(torch.randn(4, 1))
+        self.dtypes: list[torch.dtype] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = torch.einsum("bi,ij->bj", self.linear(x), self.mix)
+        self.dtypes.append(out.dtype)
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@needs_cpu_fp16
+def test_a_function_on_none_of_apex_o1s_lists_meets_fp16_and_fp32_and_fails_as_in_apex(
+    apex_double: ModuleType,
+) -> None:
+    with pytest.raises(RuntimeError, match=r"expected scalar type (Half but found Float|Float but found Half)"):
+        fit(EinsumModel(), precision="apex-O1", max_steps=1)
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    ("register", "computes_in"),
+    [
+        ("register_promote_function", torch.float32),
+        ("register_float_function", torch.float32),
+        ("register_half_function", torch.float16),
+    ],
+)
+def test_apex_registration_before_fit_takes_effect_under_apex_o1(
+    apex_double: ModuleType, register: str, computes_in: torch.dtype
+) -> None:
+    getattr(apex_double, register)(torch, "einsum")
+    model = EinsumModel()
+    fit(model, precision="apex-O1", max_steps=2)
+    assert model.dtypes == [computes_in, computes_in]
