@@ -3,7 +3,8 @@
 Laid out like apex's ``apex/amp``: ``frontend`` (``initialize``, ``state_dict``, ``load_state_dict``),
 ``_initialize`` (casting models, patching forward and ``state_dict``), ``_process_optimizer`` (stashes, fp32
 master weights, patched ``step`` / ``zero_grad`` / ``add_param_group``), ``handle`` (``scale_loss``,
-``disable_casts``), ``scaler`` (``LossScaler``), ``amp`` / ``wrap`` / ``lists`` (O1's patching of torch). It
+``disable_casts``), ``scaler`` (``LossScaler``), ``amp`` / ``wrap`` / ``lists`` / ``rnn_compat`` (O1's patching of
+torch). It
 computes for real, in fp16 on the CPU, where apex computes on CUDA; ``_amp_state.on_amp_device`` is where the
 double reads apex's ``is_cuda``.
 
