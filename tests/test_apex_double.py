@@ -672,6 +672,136 @@ def test_unpatch_torch_for_tests_puts_back_torchs_vf_and_rnn_impls(apex_double: 
     assert (rnn._VF, rnn._rnn_impls) == (torch._VF, impls)
 
 
+# --- the user's registrations and decorators (amp.py) -------------------------------------------------------------
+
+
+def registries(amp: ModuleType) -> tuple[set[Any], set[Any]]:
+    """apex.amp.amp's ``_USER_CAST_REGISTRY`` and ``_USER_PROMOTE_REGISTRY``."""
+    module = sys.modules[f"{amp.__name__}.amp"]
+    return module._USER_CAST_REGISTRY, module._USER_PROMOTE_REGISTRY
+
+
+def einsum_of_fp16_and_a_parameter() -> torch.Tensor:
+    return torch.einsum("ij,jk->ik", torch.ones(2, 3, dtype=torch.float16), torch.nn.Parameter(torch.ones(3, 4)))
+
+
+@needs_cpu_fp16
+def test_o1_einsum_of_an_fp16_activation_and_an_fp32_parameter_fails_in_torch(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    with pytest.raises(RuntimeError, match="expected scalar type Half but found Float"):
+        einsum_of_fp16_and_a_parameter()
+
+
+@needs_cpu_fp16
+def test_register_promote_function_before_initialize_makes_einsum_promote_to_fp32(apex_double: ModuleType) -> None:
+    apex_double.register_promote_function(torch, "einsum")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.equal(einsum_of_fp16_and_a_parameter(), torch.full((2, 4), 3.0))
+
+
+@needs_cpu_fp16
+def test_register_float_function_before_initialize_makes_sigmoid_compute_in_fp32(apex_double: ModuleType) -> None:
+    apex_double.register_float_function(torch, "sigmoid")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.sigmoid(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
+
+
+@needs_cpu_fp16
+def test_register_half_function_before_initialize_makes_tanh_compute_in_fp16(apex_double: ModuleType) -> None:
+    apex_double.register_half_function(torch, "tanh")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.tanh(torch.zeros(2)).dtype == torch.float16
+
+
+@needs_cpu_fp16
+def test_a_registered_listed_function_casts_as_registered_since_registrations_are_patched_first(
+    apex_double: ModuleType,
+) -> None:
+    # init patches the registry before the lists: exp's fp32-list wrapper goes outside the user's fp16 cast.
+    apex_double.register_half_function(torch, "exp")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.exp(torch.zeros(2)).dtype == torch.float16
+
+
+@pytest.mark.parametrize("register", ["register_half_function", "register_float_function", "register_promote_function"])
+def test_registering_a_missing_function_is_apexs_value_error(apex_double: ModuleType, register: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"No function named nope in module {torch}.")):
+        getattr(apex_double, register)(torch, "nope")
+
+
+def test_o1_initialize_empties_the_registries(apex_double: ModuleType) -> None:
+    apex_double.register_float_function(torch, "sigmoid")
+    apex_double.register_promote_function(torch, "einsum")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert registries(apex_double) == (set(), set())
+
+
+@needs_cpu_fp16
+def test_o2_leaves_the_registrations_for_a_later_o1_initialize(apex_double: ModuleType) -> None:
+    apex_double.register_promote_function(torch, "einsum")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    assert registries(apex_double) == (set(), {(torch, "einsum")})
+
+
+@needs_cpu_fp16
+def test_a_function_registered_after_initialize_stays_as_it_was(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    apex_double.register_float_function(torch, "sigmoid")
+    assert torch.sigmoid(torch.zeros(2, dtype=torch.float16)).dtype == torch.float16
+
+
+@needs_cpu_fp16
+def test_the_next_o1_initialize_applies_a_registration_made_after_the_first(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    apex_double.register_float_function(torch, "sigmoid")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.sigmoid(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
+
+
+def decorated(amp: ModuleType, decorator: str) -> Any:
+    """``torch.add`` through one of amp's decorators."""
+    return getattr(amp, decorator)(torch.add)
+
+
+#: Each decorator, the arguments it is called with, and the dtype it computes in under O1.
+DECORATED_CALLS = {
+    "half_function": ((torch.ones(2), torch.ones(2)), torch.float16),
+    "float_function": ((torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.float16)), torch.float32),
+    "promote_function": ((torch.ones(2, dtype=torch.float16), torch.ones(2)), torch.float32),
+}
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("decorator", list(DECORATED_CALLS))
+def test_a_decorated_function_casts_once_o1_is_initialized(apex_double: ModuleType, decorator: str) -> None:
+    function = decorated(apex_double, decorator)
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    args, dtype = DECORATED_CALLS[decorator]
+    assert function(*args).dtype == dtype
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("decorator", ["half_function", "float_function"])
+def test_a_decorated_function_runs_uncast_before_initialize(apex_double: ModuleType, decorator: str) -> None:
+    args, dtype = DECORATED_CALLS[decorator]
+    assert decorated(apex_double, decorator)(*args).dtype != dtype
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("decorator", ["half_function", "float_function"])
+def test_a_decorated_function_runs_uncast_while_casts_are_disabled(apex_double: ModuleType, decorator: str) -> None:
+    function = decorated(apex_double, decorator)
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    args, dtype = DECORATED_CALLS[decorator]
+    with apex_double.disable_casts():
+        assert function(*args).dtype != dtype
+
+
+def test_decorating_warns_that_apex_amp_is_deprecated(apex_double: ModuleType) -> None:
+    with pytest.warns(FutureWarning, match="apex.amp is deprecated"):
+        apex_double.half_function(torch.add)
+
+
 # --- the loss scaler ---------------------------------------------------------------------------------------------
 
 

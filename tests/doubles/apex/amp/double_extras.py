@@ -89,7 +89,8 @@ def unpatch_torch_for_tests() -> None:
     apex patches torch for the rest of the process; a test suite that imports the double afresh for each test
     (conftest's ``apex_double`` fixture) calls this at teardown so that later tests see torch as it was. The
     wrappers carry what they replaced, so re-imported copies of the double, and stacked patches from several
-    ``amp.initialize`` calls, are all undone.
+    ``amp.initialize`` calls, are all undone. Functions registered by the user (``register_*_function``) on other
+    modules than these are not undone.
     """
     for mod in (torch, torch.nn.functional, torch.Tensor):
         for name, value in list(vars(mod).items()):

@@ -190,10 +190,13 @@ def cached_cast_function(mod: Any, fn: str, cast_fn: CastFn, handle: Any, try_ca
         set_func_save(handle, mod, fn, make_cast_wrapper(get_func(mod, fn), cast_fn, handle, try_caching))
 
 
-def make_promote_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn) -> Any:
+def make_promote_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn, handle: Any = None) -> Any:
     """wrap.py ``make_promote_wrapper``: one floating type passes, fp16 with fp32 goes fp32, any other mix of
     floating types (fp32 with fp64, fp16 with fp64, bf16 with fp32) raises. Integer tensors and numbers are not
-    collected, so ``long / 2`` and ``float / long`` pass to torch."""
+    collected, so ``long / 2`` and ``float / long`` pass to torch.
+
+    ``handle`` is unused, as in apex (amp.py's ``promote_function`` passes one): the wrapper asks
+    ``_amp_state.handle`` whether casts are active."""
 
     @functools.wraps(orig_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
