@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 import time
 from collections import OrderedDict
@@ -481,6 +482,324 @@ def test_o1_transformer_encoder_layer_eval_fast_path_fails_on_fp16_activations_a
         pytest.raises(RuntimeError, match=r"expected (m1 and m2|mat1 and mat2) to have the same dtype"),
     ):
         model(torch.randn(2, 5, 4))
+
+
+# --- O1: RNNs and RNN cells (rnn_compat.py, wrap.py new_rnn_cast) -------------------------------------------------
+
+#: How an RNN is built (4 features in, 6 hidden) and called, beyond one layer on a padded fp32 input.
+RNN_SHAPES: dict[str, dict[str, Any]] = {
+    "one layer": {},
+    "batch_first": {"batch_first": True},
+    "two layers": {"num_layers": 2},
+    "bidirectional": {"bidirectional": True},
+    "an initial state": {},
+    "a PackedSequence": {},
+}
+
+
+def rnn_module(kind: str, **options: Any) -> torch.nn.RNNBase:
+    torch.manual_seed(0)
+    module: torch.nn.RNNBase = getattr(torch.nn, kind)(4, 6, **options)
+    return module
+
+
+def rnn_args(kind: str, shape: str) -> tuple[Any, ...]:
+    """fp32 arguments for an RNN built with ``RNN_SHAPES[shape]``: 5 steps of a batch of 3, and an initial state
+    (``(h0, c0)`` for an LSTM) for "an initial state"."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 4, generator=generator)
+    if shape == "a PackedSequence":
+        return (torch.nn.utils.rnn.pack_padded_sequence(x, [5, 4, 2]),)
+    if shape == "an initial state":
+        h0, c0 = torch.randn(2, 1, 3, 6, generator=generator)
+        return x, ((h0, c0) if kind == "LSTM" else h0)
+    return (x,)
+
+
+def to_half(arg: Any) -> Any:
+    if isinstance(arg, torch.nn.utils.rnn.PackedSequence):  # a tuple too
+        return arg.half()
+    return tuple(to_half(a) for a in arg) if isinstance(arg, tuple) else arg.half()
+
+
+def output_data(output: Any) -> torch.Tensor:
+    return output.data if isinstance(output, torch.nn.utils.rnn.PackedSequence) else output
+
+
+def fp16_twin(rnn: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What an fp16 copy of ``rnn`` computes from ``args`` made fp16 by hand, before O1 patches torch: its output,
+    and its weights' gradients of the output's sum in fp32."""
+    twin = copy.deepcopy(rnn).half()
+    output = output_data(twin(*[to_half(arg) for arg in args])[0])
+    output.float().sum().backward()
+    return output, [param.grad.float() for param in twin.parameters()]
+
+
+def initialize_rnn(amp: ModuleType, rnn: torch.nn.Module) -> torch.nn.Module:
+    rnn, _ = initialize(amp, rnn, torch.optim.SGD(rnn.parameters(), lr=0.1), opt_level="O1")
+    return rnn
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_o1_rnns_refuse_an_fp16_input_with_torchs_dtype_check(apex_double: ModuleType, kind: str) -> None:
+    # O1 does not turn autocast on, so RNNBase.check_input sees fp16 activations and fp32 weights, as with apex.
+    rnn = initialize_rnn(apex_double, rnn_module(kind))
+    expected = "RNN input dtype (torch.float16) does not match weight dtype (torch.float32)"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        rnn(torch.randn(5, 3, 4, dtype=torch.float16))
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_o1_lstm_and_gru_fed_fp32_compute_in_fp16(apex_double: ModuleType, kind: str) -> None:
+    rnn = initialize_rnn(apex_double, rnn_module(kind))
+    output, hidden = rnn(torch.randn(5, 3, 4))
+    hiddens = hidden if isinstance(hidden, tuple) else (hidden,)
+    assert {output.dtype, *(h.dtype for h in hiddens)} == {torch.float16}
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("shape", list(RNN_SHAPES))
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_o1_rnns_compute_what_a_hand_built_fp16_copy_computes(apex_double: ModuleType, kind: str, shape: str) -> None:
+    # nn.RNN after new_rnn_cast("rnn_tanh", ...), the apex call that puts O1's cast where nn.RNN calls.
+    rnn = rnn_module(kind, **RNN_SHAPES[shape])
+    args = rnn_args(kind, shape)
+    expected, _ = fp16_twin(rnn, *args)
+    rnn = initialize_rnn(apex_double, rnn)
+    if kind == "RNN":
+        apex_double.wrap.new_rnn_cast("rnn_tanh", apex_double._amp_state.handle)
+    output = output_data(rnn(*args)[0])
+    assert output.dtype == torch.float16
+    assert torch.equal(output, expected)
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_o1_rnn_gradients_reach_the_fp32_weights_as_a_hand_built_fp16_copy_computes_them(
+    apex_double: ModuleType, kind: str
+) -> None:
+    rnn = rnn_module(kind, num_layers=2, bidirectional=True)
+    x = torch.randn(5, 3, 4)
+    _, expected = fp16_twin(rnn, x)
+    rnn = initialize_rnn(apex_double, rnn)
+    rnn(x)[0].float().sum().backward()
+    grads = [param.grad for param in rnn.parameters()]
+    assert {grad.dtype for grad in grads} == {torch.float32}
+    assert all(torch.equal(grad, want) for grad, want in zip(grads, expected, strict=True))
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_o1_nn_rnn_fed_fp32_computes_in_fp32_as_apexs_rnn_impls_patch_never_reaches_it(
+    apex_double: ModuleType, nonlinearity: str
+) -> None:
+    rnn = initialize_rnn(apex_double, rnn_module("RNN", nonlinearity=nonlinearity))
+    assert rnn(torch.randn(5, 3, 4))[0].dtype == torch.float32
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("name", ["RNN_TANH", "RNN_RELU"])
+def test_o1_casts_the_rnn_impls_entries_to_fp16(apex_double: ModuleType, name: str) -> None:
+    rnn = initialize_rnn(apex_double, rnn_module("RNN"))
+    call = (torch.randn(5, 3, 4), torch.zeros(1, 3, 6), rnn._flat_weights, True, 1, 0.0, False, False, False)
+    assert torch.nn.modules.rnn._rnn_impls[name](*call)[0].dtype == torch.float16
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_new_rnn_cast_of_the_lower_case_name_makes_nn_rnn_compute_in_fp16(
+    apex_double: ModuleType, nonlinearity: str
+) -> None:
+    rnn = initialize_rnn(apex_double, rnn_module("RNN", nonlinearity=nonlinearity))
+    apex_double.wrap.new_rnn_cast(f"rnn_{nonlinearity}", apex_double._amp_state.handle)
+    assert rnn(torch.randn(5, 3, 4))[0].dtype == torch.float16
+
+
+def test_new_rnn_cast_of_a_name_outside_rnn_impls_needs_o1s_shim(apex_double: ModuleType) -> None:
+    with pytest.raises(AssertionError):
+        apex_double.wrap.new_rnn_cast("rnn_tanh", apex_double.handle.AmpHandle())
+
+
+@needs_cpu_fp16
+def test_the_rnn_cast_holds_torch_to_its_nine_argument_call(apex_double: ModuleType) -> None:
+    rnn = initialize_rnn(apex_double, rnn_module("LSTM"))
+    with pytest.raises(AssertionError):
+        torch.nn.modules.rnn._VF.lstm(torch.randn(5, 3, 4), (torch.zeros(1, 3, 6),) * 2, rnn._flat_weights)
+
+
+@needs_cpu_fp16
+def test_o1_rnns_compute_in_fp32_while_casts_are_disabled(apex_double: ModuleType) -> None:
+    rnn = initialize_rnn(apex_double, rnn_module("LSTM"))
+    with apex_double.disable_casts():
+        assert rnn(torch.randn(5, 3, 4))[0].dtype == torch.float32
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    "cell",
+    [
+        torch.nn.LSTMCell(4, 6),
+        torch.nn.GRUCell(4, 6),
+        torch.nn.RNNCell(4, 6),
+        torch.nn.RNNCell(4, 6, nonlinearity="relu"),
+    ],
+    ids=["LSTMCell", "GRUCell", "RNNCell tanh", "RNNCell relu"],
+)
+def test_o1_rnn_cells_fed_fp32_compute_in_fp16(apex_double: ModuleType, cell: torch.nn.Module) -> None:
+    cell = initialize_rnn(apex_double, copy.deepcopy(cell))
+    output = cell(torch.randn(3, 4))
+    outputs = output if isinstance(output, tuple) else (output,)
+    assert {o.dtype for o in outputs} == {torch.float16}
+
+
+@needs_cpu_fp16
+def test_o1_an_rnn_cell_stepped_twice_between_scale_loss_calls_fails_as_in_apex(apex_double: ModuleType) -> None:
+    # whitelist_rnn_cells casts the cell's weights through the cache, whose check fails on a second use (IndexError,
+    # as for test_o1_a_weight_used_twice_between_scale_loss_calls_fails_as_in_apex): a loop over steps fails.
+    cell = initialize_rnn(apex_double, torch.nn.GRUCell(4, 6))
+    hidden = cell(torch.randn(3, 4))
+    with pytest.raises(IndexError, match="tuple index out of range"):
+        cell(torch.randn(3, 4), hidden)
+
+
+def test_unpatch_torch_for_tests_puts_back_torchs_vf_and_rnn_impls(apex_double: ModuleType) -> None:
+    rnn = torch.nn.modules.rnn
+    impls = dict(rnn._rnn_impls)
+    initialize_rnn(apex_double, rnn_module("LSTM"))
+    assert rnn._VF is not torch._VF
+    apex_double.unpatch_torch_for_tests()
+    assert (rnn._VF, rnn._rnn_impls) == (torch._VF, impls)
+
+
+# --- the user's registrations and decorators (amp.py) -------------------------------------------------------------
+
+
+def registries(amp: ModuleType) -> tuple[set[Any], set[Any]]:
+    """apex.amp.amp's ``_USER_CAST_REGISTRY`` and ``_USER_PROMOTE_REGISTRY``."""
+    module = sys.modules[f"{amp.__name__}.amp"]
+    return module._USER_CAST_REGISTRY, module._USER_PROMOTE_REGISTRY
+
+
+def einsum_of_fp16_and_a_parameter() -> torch.Tensor:
+    return torch.einsum("ij,jk->ik", torch.ones(2, 3, dtype=torch.float16), torch.nn.Parameter(torch.ones(3, 4)))
+
+
+@needs_cpu_fp16
+def test_o1_einsum_of_an_fp16_activation_and_an_fp32_parameter_fails_in_torch(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    with pytest.raises(RuntimeError, match="expected scalar type Half but found Float"):
+        einsum_of_fp16_and_a_parameter()
+
+
+@needs_cpu_fp16
+def test_register_promote_function_before_initialize_makes_einsum_promote_to_fp32(apex_double: ModuleType) -> None:
+    apex_double.register_promote_function(torch, "einsum")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.equal(einsum_of_fp16_and_a_parameter(), torch.full((2, 4), 3.0))
+
+
+@needs_cpu_fp16
+def test_register_float_function_before_initialize_makes_sigmoid_compute_in_fp32(apex_double: ModuleType) -> None:
+    apex_double.register_float_function(torch, "sigmoid")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.sigmoid(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
+
+
+@needs_cpu_fp16
+def test_register_half_function_before_initialize_makes_tanh_compute_in_fp16(apex_double: ModuleType) -> None:
+    apex_double.register_half_function(torch, "tanh")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.tanh(torch.zeros(2)).dtype == torch.float16
+
+
+@needs_cpu_fp16
+def test_a_registered_listed_function_casts_as_registered_since_registrations_are_patched_first(
+    apex_double: ModuleType,
+) -> None:
+    # init patches the registry before the lists: exp's fp32-list wrapper goes outside the user's fp16 cast.
+    apex_double.register_half_function(torch, "exp")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.exp(torch.zeros(2)).dtype == torch.float16
+
+
+@pytest.mark.parametrize("register", ["register_half_function", "register_float_function", "register_promote_function"])
+def test_registering_a_missing_function_is_apexs_value_error(apex_double: ModuleType, register: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"No function named nope in module {torch}.")):
+        getattr(apex_double, register)(torch, "nope")
+
+
+def test_o1_initialize_empties_the_registries(apex_double: ModuleType) -> None:
+    apex_double.register_float_function(torch, "sigmoid")
+    apex_double.register_promote_function(torch, "einsum")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert registries(apex_double) == (set(), set())
+
+
+@needs_cpu_fp16
+def test_o2_leaves_the_registrations_for_a_later_o1_initialize(apex_double: ModuleType) -> None:
+    apex_double.register_promote_function(torch, "einsum")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O2")
+    assert registries(apex_double) == (set(), {(torch, "einsum")})
+
+
+@needs_cpu_fp16
+def test_a_function_registered_after_initialize_stays_as_it_was(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    apex_double.register_float_function(torch, "sigmoid")
+    assert torch.sigmoid(torch.zeros(2, dtype=torch.float16)).dtype == torch.float16
+
+
+@needs_cpu_fp16
+def test_the_next_o1_initialize_applies_a_registration_made_after_the_first(apex_double: ModuleType) -> None:
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    apex_double.register_float_function(torch, "sigmoid")
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    assert torch.sigmoid(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
+
+
+def decorated(amp: ModuleType, decorator: str) -> Any:
+    """``torch.add`` through one of amp's decorators."""
+    return getattr(amp, decorator)(torch.add)
+
+
+#: Each decorator, the arguments it is called with, and the dtype it computes in under O1.
+DECORATED_CALLS = {
+    "half_function": ((torch.ones(2), torch.ones(2)), torch.float16),
+    "float_function": ((torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.float16)), torch.float32),
+    "promote_function": ((torch.ones(2, dtype=torch.float16), torch.ones(2)), torch.float32),
+}
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("decorator", list(DECORATED_CALLS))
+def test_a_decorated_function_casts_once_o1_is_initialized(apex_double: ModuleType, decorator: str) -> None:
+    function = decorated(apex_double, decorator)
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    args, dtype = DECORATED_CALLS[decorator]
+    assert function(*args).dtype == dtype
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("decorator", ["half_function", "float_function"])
+def test_a_decorated_function_runs_uncast_before_initialize(apex_double: ModuleType, decorator: str) -> None:
+    args, dtype = DECORATED_CALLS[decorator]
+    assert decorated(apex_double, decorator)(*args).dtype != dtype
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("decorator", ["half_function", "float_function"])
+def test_a_decorated_function_runs_uncast_while_casts_are_disabled(apex_double: ModuleType, decorator: str) -> None:
+    function = decorated(apex_double, decorator)
+    initialize(apex_double, *model_and_optimizer(), opt_level="O1")
+    args, dtype = DECORATED_CALLS[decorator]
+    with apex_double.disable_casts():
+        assert function(*args).dtype != dtype
+
+
+def test_decorating_warns_that_apex_amp_is_deprecated(apex_double: ModuleType) -> None:
+    with pytest.warns(FutureWarning, match="apex.amp is deprecated"):
+        apex_double.half_function(torch.add)
 
 
 # --- the loss scaler ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Laid out like apex's ``apex/amp``: ``frontend`` (``initialize``, ``state_dict``, ``load_state_dict``),
 ``_initialize`` (casting models, patching forward and ``state_dict``), ``_process_optimizer`` (stashes, fp32
 master weights, patched ``step`` / ``zero_grad`` / ``add_param_group``), ``handle`` (``scale_loss``,
-``disable_casts``), ``scaler`` (``LossScaler``), ``amp`` / ``wrap`` / ``lists`` (O1's patching of torch). It
+``disable_casts``), ``scaler`` (``LossScaler``), ``amp`` / ``wrap`` / ``lists`` / ``rnn_compat`` (O1's patching of
+torch, and the user's registrations and decorators). It
 computes for real, in fp16 on the CPU, where apex computes on CUDA; ``_amp_state.on_amp_device`` is where the
 double reads apex's ``is_cuda``.
 
@@ -12,6 +13,14 @@ What real apex does not have is in ``double_extras`` and re-exported here: ``sup
 """
 
 from ._amp_state import _amp_state, master_params
+from .amp import (
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from .double_extras import backward_outside_scale_loss, events, unpatch_torch_for_tests
 from .frontend import initialize, load_state_dict, state_dict
 from .handle import disable_casts, scale_loss
@@ -25,9 +34,15 @@ __all__ = [
     "backward_outside_scale_loss",
     "disable_casts",
     "events",
+    "float_function",
+    "half_function",
     "initialize",
     "load_state_dict",
     "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
     "scale_loss",
     "state_dict",
     "supports_cpu",

@@ -62,9 +62,9 @@ def backward_outside_scale_loss() -> int:
 
 
 def mark_replacement(new_fn: Callable[..., Any], mod: Any, name: str, replaced: Any) -> None:
-    """TEST-ONLY: note on an O1 wrapper what it replaced, and whether ``mod`` held it itself (not through a
-    base class)."""
-    setattr(new_fn, _MARK, (replaced, name in vars(mod)))
+    """TEST-ONLY: note on an O1 wrapper what it replaced, and whether ``mod`` (a module, class, object or dict)
+    held it itself (not through a base class)."""
+    setattr(new_fn, _MARK, (replaced, name in (mod if isinstance(mod, dict) else vars(mod))))
 
 
 def _is_wrapper(value: Any) -> bool:
@@ -73,22 +73,36 @@ def _is_wrapper(value: Any) -> bool:
     return inspect.isfunction(value) and _MARK in vars(value)
 
 
+def _unwrapped(wrapper: Any) -> tuple[Any, bool]:
+    """TEST-ONLY: what the first of a stack of O1 wrappers replaced, and whether its module held it itself."""
+    original, own = vars(wrapper)[_MARK]
+    while _is_wrapper(original):
+        original, own = vars(original)[_MARK]
+    return original, own
+
+
 def unpatch_torch_for_tests() -> None:
-    """TEST-ONLY: put back every torch function and Tensor method that any copy of the double's O1 patched.
+    """TEST-ONLY: put back every torch function and Tensor method that any copy of the double's O1 patched, the
+    entries of ``torch.nn.modules.rnn._rnn_impls``, and torch's own ``_VF`` in ``torch.nn.modules.rnn`` (O1's
+    shim goes, with the RNN casts on it).
 
     apex patches torch for the rest of the process; a test suite that imports the double afresh for each test
     (conftest's ``apex_double`` fixture) calls this at teardown so that later tests see torch as it was. The
     wrappers carry what they replaced, so re-imported copies of the double, and stacked patches from several
-    ``amp.initialize`` calls, are all undone.
+    ``amp.initialize`` calls, are all undone. Functions registered by the user (``register_*_function``) on other
+    modules than these are not undone.
     """
     for mod in (torch, torch.nn.functional, torch.Tensor):
         for name, value in list(vars(mod).items()):
             if not _is_wrapper(value):
                 continue
-            original, own = vars(value)[_MARK]
-            while _is_wrapper(original):
-                original, own = vars(original)[_MARK]
+            original, own = _unwrapped(value)
             if own:
                 setattr(mod, name, original)
             else:
                 delattr(mod, name)
+    rnn = torch.nn.modules.rnn
+    for name, value in list(rnn._rnn_impls.items()):
+        if _is_wrapper(value):
+            rnn._rnn_impls[name] = _unwrapped(value)[0]
+    rnn._VF = torch._VF  # type: ignore[attr-defined]

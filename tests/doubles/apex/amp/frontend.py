@@ -16,6 +16,12 @@ from . import double_extras
 from ._amp_state import _amp_state, maybe_print, warn_or_err
 from ._initialize import _initialize
 
+#: What ``initialize`` and amp.py's decorators warn with (apex's ``deprecated_warning``).
+DEPRECATED = (
+    "apex.amp is deprecated and will be removed by the end of February 2023. Use [PyTorch"
+    " AMP](https://pytorch.org/docs/stable/amp.html)"
+)
+
 
 class Properties:
     """frontend.py ``Properties``: the options, with apex's consistency checks when one is set."""
@@ -159,10 +165,7 @@ def initialize(
     """
     from apex import deprecated_warning
 
-    deprecated_warning(
-        "apex.amp is deprecated and will be removed by the end of February 2023. Use [PyTorch"
-        " AMP](https://pytorch.org/docs/stable/amp.html)"
-    )
+    deprecated_warning(DEPRECATED)
     _amp_state.opt_properties = Properties()
     _amp_state.verbosity = verbosity
     if not enabled:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import double_extras
+from . import double_extras, wrap
 from ._amp_state import _amp_state, maybe_print
 from .scaler import LossScaler
 
@@ -141,7 +141,7 @@ class AmpHandle:
     def _deactivate(self) -> None:
         """apex's experimental restore of the functions this handle patched (in the order they were patched)."""
         for mod, fn, func in self._all_wrappers:
-            setattr(mod, fn, func)
+            wrap.set_func(mod, fn, func)
         self._all_wrappers = []
 
     @property

@@ -1,5 +1,6 @@
 """TEST DOUBLE of ``apex/amp/lists/``: the functions O1 patches, by name (``functional_overrides.py``,
-``torch_overrides.py``, ``tensor_overrides.py``), as apex 25.05 lists them, RNNs left out.
+``torch_overrides.py``, ``tensor_overrides.py``), as apex 25.05 lists them. RNNs and RNN cells are on no list, in
+apex as here: amp.py's ``init`` patches them afterwards (``rnn_compat.py``, wrap.py ``new_rnn_cast``).
 
 ``bmm``, ``baddbmm`` and ``addbmm`` are on the fp16 list, where apex puts them with CUDA 9.1 or later.
 """

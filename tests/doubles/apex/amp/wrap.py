@@ -1,4 +1,5 @@
-"""TEST DOUBLE of ``apex/amp/wrap.py`` and ``apex/amp/utils.py``: the wrappers O1 puts around torch functions.
+"""TEST DOUBLE of ``apex/amp/wrap.py`` and ``apex/amp/utils.py``: the wrappers O1 puts around torch functions,
+RNN functions included.
 
 Type tests compare ``tensor.type()`` endings (``'HalfTensor'``, ``'FloatTensor'``), which, as in apex, do not
 depend on the device; casts happen only on the double's device (apex: only on CUDA).
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import double_extras
+from . import double_extras, rnn_compat
 from ._amp_state import _amp_state, on_amp_device
 
 CastFn = Callable[[Any], Any]
@@ -112,13 +113,55 @@ def cached_cast(cast_fn: CastFn, x: torch.Tensor, cache: dict[torch.Tensor, torc
     return cache[x]
 
 
+def has_func(mod: Any, fn: str) -> bool:
+    """utils.py ``has_func``: ``mod`` is a module or object, or a dict of functions (``torch.nn.modules.rnn``'s
+    ``_rnn_impls``)."""
+    return fn in mod if isinstance(mod, dict) else hasattr(mod, fn)
+
+
+def get_func(mod: Any, fn: str) -> Any:
+    """utils.py ``get_func``: ``mod[fn]`` for a dict, ``mod.fn`` otherwise."""
+    return mod[fn] if isinstance(mod, dict) else getattr(mod, fn)
+
+
+def set_func(mod: Any, fn: str, new_fn: Any) -> None:
+    """utils.py ``set_func``: ``mod[fn] = new_fn`` for a dict, ``mod.fn = new_fn`` otherwise."""
+    if isinstance(mod, dict):
+        mod[fn] = new_fn
+    else:
+        setattr(mod, fn, new_fn)
+
+
 def set_func_save(handle: Any, mod: Any, fn: str, new_fn: Callable[..., Any]) -> None:
-    """utils.py ``set_func_save``: patch ``mod.fn`` and remember what it was (on the handle, and on the wrapper
-    for :func:`~apex.amp.double_extras.unpatch_torch_for_tests`)."""
-    current = getattr(mod, fn)
+    """utils.py ``set_func_save``: patch ``mod.fn`` (or ``mod[fn]``) and remember what it was (on the handle, and
+    on the wrapper for :func:`~apex.amp.double_extras.unpatch_torch_for_tests`)."""
+    current = get_func(mod, fn)
     handle._save_func(mod, fn, current)
     double_extras.mark_replacement(new_fn, mod, fn, current)
-    setattr(mod, fn, new_fn)
+    set_func(mod, fn, new_fn)
+
+
+def new_synthesize_flattened_rnn_weights(
+    fp32_weights: list[torch.Tensor], fp16_flat_tensor: torch.Tensor
+) -> list[torch.Tensor]:
+    """utils.py ``new_synthesize_flattened_rnn_weights``: an fp16 copy of each of an RNN's weights, all in one flat
+    fp16 buffer, each made by ``copy_`` from its fp32 weight so that its gradient flows back to the fp32 weight.
+
+    Deviation: apex puts each copy at its fp32 weight's offset from the first one, computed from their
+    ``data_ptr()`` distance. That is right for cuDNN's flattened weights on CUDA, which are views into one buffer;
+    on the CPU each weight is an allocation of its own, and those distances say nothing (negative, or past the
+    buffer's end). The double lays the copies out in order, one after the other. apex reaches the buffer through
+    ``storage()``, which torch now warns about (TypedStorage is deprecated); the double uses ``untyped_storage()``.
+    """
+    fp16_weights = []
+    offset = 0
+    for w_fp32 in fp32_weights:
+        w_fp16 = w_fp32.new_empty(0, dtype=torch.half)
+        w_fp16.set_(fp16_flat_tensor.untyped_storage(), offset, w_fp32.shape)
+        w_fp16.copy_(w_fp32)
+        fp16_weights.append(w_fp16)
+        offset += w_fp32.numel()
+    return fp16_weights
 
 
 # --- wrap.py ----------------------------------------------------------------------------------------------------
@@ -143,14 +186,17 @@ def make_cast_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn, handle: Any,
 
 def cached_cast_function(mod: Any, fn: str, cast_fn: CastFn, handle: Any, try_caching: bool = False) -> None:
     """wrap.py ``cached_cast``: ``mod.fn`` casts its floating arguments (fp16 ones through the weight cache)."""
-    if hasattr(mod, fn):
-        set_func_save(handle, mod, fn, make_cast_wrapper(getattr(mod, fn), cast_fn, handle, try_caching))
+    if has_func(mod, fn):
+        set_func_save(handle, mod, fn, make_cast_wrapper(get_func(mod, fn), cast_fn, handle, try_caching))
 
 
-def make_promote_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn) -> Any:
+def make_promote_wrapper(orig_fn: Callable[..., Any], cast_fn: CastFn, handle: Any = None) -> Any:
     """wrap.py ``make_promote_wrapper``: one floating type passes, fp16 with fp32 goes fp32, any other mix of
     floating types (fp32 with fp64, fp16 with fp64, bf16 with fp32) raises. Integer tensors and numbers are not
-    collected, so ``long / 2`` and ``float / long`` pass to torch."""
+    collected, so ``long / 2`` and ``float / long`` pass to torch.
+
+    ``handle`` is unused, as in apex (amp.py's ``promote_function`` passes one): the wrapper asks
+    ``_amp_state.handle`` whether casts are active."""
 
     @functools.wraps(orig_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -237,5 +283,50 @@ def err_if_arg0_half(mod: Any, fn: str, handle: Any) -> None:
         if type_string(arg0) == "HalfTensor":
             raise NotImplementedError(f"Cannot call in-place method {fn} on fp16 Tensors.")
         return orig_fn(arg0, *casted_args(maybe_float, args, kwargs), **kwargs)
+
+    set_func_save(handle, mod, fn, wrapper)
+
+
+def new_rnn_cast(fn: str, handle: Any, verbose: bool = False) -> None:
+    """wrap.py ``new_rnn_cast``: the RNN function ``fn`` runs in fp16: its floating arguments (input, hidden state)
+    through ``maybe_half``, its weights as fp16 copies in one flat buffer
+    (:func:`new_synthesize_flattened_rnn_weights`), so that gradients reach the fp32 weights.
+
+    A key of ``torch.nn.modules.rnn._rnn_impls`` (``'RNN_TANH'``, ``'RNN_RELU'``) is patched there; any other name
+    is lower-cased and patched on the :class:`~apex.amp.rnn_compat.VariableFunctionsShim` that O1 put in
+    ``torch.nn.modules.rnn._VF`` (an AssertionError without it). O1 passes upper-case names, so ``nn.RNN``, which
+    calls ``_VF.rnn_tanh`` / ``_VF.rnn_relu`` itself, is left in fp32; ``new_rnn_cast("rnn_tanh", handle)`` patches
+    the shim's ``rnn_tanh``, which ``nn.RNN`` does call. ``verbose`` is accepted, and cast logging not modelled.
+    """
+    rnn = torch.nn.modules.rnn
+    mod: Any
+    if has_func(rnn._rnn_impls, fn):
+        mod = rnn._rnn_impls
+    else:
+        mod = rnn._VF
+        assert isinstance(mod, rnn_compat.VariableFunctionsShim)
+        fn = fn.lower()
+    orig_fn = get_func(mod, fn)
+
+    @functools.wraps(orig_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # torch/nn/modules/rnn.py's call, exactly: nine positional arguments.
+        assert len(args) == 9
+        assert len(kwargs) == 0
+        if not _amp_state.handle.is_active():
+            return orig_fn(*args, **kwargs)
+        # Argument 6 is `train` (a bool) for a padded input; for a PackedSequence, whose batch sizes come second, it
+        # is `dropout` (a float) and the weights move one place on.
+        params_idx = 2 if isinstance(args[6], bool) else 3
+        new_args = []
+        for i, arg in enumerate(args):
+            if i == params_idx:
+                flat = args[0].new_empty((sum(w.numel() for w in arg),), dtype=torch.half)
+                new_args.append(new_synthesize_flattened_rnn_weights(arg, flat))
+            elif is_fp_tensor(arg):
+                new_args.append(maybe_half(arg))
+            else:
+                new_args.append(arg)
+        return orig_fn(*new_args)
 
     set_func_save(handle, mod, fn, wrapper)
