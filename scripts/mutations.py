@@ -314,6 +314,23 @@ MUTATIONS = (
         "    values = trainer.callback_metrics\n",
         ("tests/test_lightning_internals.py", "-k", "evaluation_metrics"),
     ),
+    # --- apex O1 on today's torch: RNNs --------------------------------------------------------------------------
+    Mutation(
+        "rnn-input-left-fp16",
+        "an RNN fed O1's fp16 activations keeps them, and torch's dtype check refuses them before apex's cast",
+        "amp/apex_o1.py",
+        "        return (given.to(weight.dtype), *args[1:]), kwargs\n",
+        "        return None\n",
+        ("tests/test_apex_reference.py", "-k", "rnn"),
+    ),
+    Mutation(
+        "nn-rnn-cast-not-restored",
+        "nn.RNN stays past apex's cast (today's forward calls _VF.rnn_tanh directly) and computes in fp32",
+        "amp/apex_o1.py",
+        "            amp.wrap.new_rnn_cast(name, amp._amp_state.handle)\n",
+        "            pass\n",
+        ("tests/test_apex_reference.py", "-k", "rnn"),
+    ),
 )
 
 
