@@ -1,6 +1,6 @@
 """Everyday Lightning under one precision, on 2 ranks: what users put around the training loop (test_everyday.py).
 
-Three LightningModules, as Lightning's own docs write them:
+Four LightningModules, as Lightning's own docs write them:
 
 - ``SmallCNN`` (conv, BatchNorm, dropout, a torchmetrics metric) is fitted with validation every 3 training batches
   (the last batch of an epoch is short), ``sync_dist`` logging of float and integer tensors and Python floats with
@@ -14,13 +14,19 @@ Three LightningModules, as Lightning's own docs write them:
   used twice a step, gradient clipping by value) is fitted by a Trainer of its own: in this process, or, where apex
   trained the CNN here (apex supports one ``amp.initialize`` per process), with ``--part gan`` in another launch; the
   first then records envddp's refusal of a second fit.
+- ``SmallSeq`` (``nn.Embedding`` -> ``nn.Linear`` -> a 2-layer bidirectional ``nn.LSTM`` -> an ``nn.GRU`` started
+  from the LSTM's last state -> a head) is fitted by a Trainer of its own, after the GAN or, where apex trained the
+  CNN here, with ``--part seq`` in another launch; then ``validate``, ``test`` and ``predict`` after the fit, and
+  its checkpoint is saved. Where its fit fails, the failure is recorded as ``seq_failed`` and the rest of the run
+  stands: torch's oneDNN has no LSTM for some dtypes under CPU autocast.
 
 ``--precision``: a Trainer precision value (``32-true``, ``16-mixed``, ``bf16-mixed``, ``amp-O1``, ``apex-O2``...) or
 ``native-O1`` / ``native-O2`` for ``AmpPrecision(backend="native")``. ``--part``: ``all`` (default), ``cnn`` (the
-CNN and the transformer) or ``gan``. Each rank writes OUT/cnn-rank<RANK>.json (OUT/gan-rank<RANK>.json for ``--part
-gan``); an error is recorded there with the part that raised it, and the rank then fails. A refusal before the
-GAN's first step is recorded as ``gan_refused``. ``--reload RUN...`` (one rank, a new process) loads each run's best
-checkpoint with ``load_from_checkpoint`` and predicts under its precision into OUT/reload.json.
+CNN and the transformer), ``gan`` or ``seq``. Each rank writes OUT/cnn-rank<RANK>.json (OUT/<part>-rank<RANK>.json
+for ``--part gan`` and ``--part seq``); an error is recorded there with the part that raised it, and the rank then
+fails. A refusal before the GAN's first step is recorded as ``gan_refused``. ``--reload RUN...`` (one rank, a new
+process) loads each run's best checkpoint, and its sequence model's where one was saved, with
+``load_from_checkpoint`` and predicts under its precision into OUT/reload.json.
 """
 
 import argparse
@@ -45,6 +51,9 @@ CLASSES = 4
 TRAIN_SIZE = 52  # 26 samples a rank: 7 batches of 4, the last of 2
 EVAL_SIZE = 37  # not a multiple of 2: DistributedSampler pads the shards
 WARMUP_STEPS = 4
+VOCABULARY = 8
+SEQUENCE_LENGTH = 12
+SEQ_CHECKPOINT = "seq.ckpt"
 
 
 def images(size: int, seed: int) -> TensorDataset:
@@ -55,8 +64,17 @@ def images(size: int, seed: int) -> TensorDataset:
     return TensorDataset(x, quadrants.sum(dim=(2, 3)).argmax(dim=1), torch.arange(size))
 
 
-def loader(size: int, seed: int, shuffle: bool = False, batch_size: int = 4) -> DataLoader:
-    return DataLoader(images(size, seed), batch_size=batch_size, shuffle=shuffle)
+def sequences(size: int, seed: int) -> TensorDataset:
+    """Token sequences whose class is the most frequent of the tokens 0 to 3 (the lowest, on a tie);
+    (tokens, class, index)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(VOCABULARY, (size, SEQUENCE_LENGTH), generator=generator)
+    counts = F.one_hot(tokens, VOCABULARY)[:, :, :CLASSES].sum(dim=1)
+    return TensorDataset(tokens, counts.argmax(dim=1), torch.arange(size))
+
+
+def loader(size: int, seed: int, shuffle: bool = False, batch_size: int = 4, data: Any = images) -> DataLoader:
+    return DataLoader(data(size, seed), batch_size=batch_size, shuffle=shuffle)
 
 
 def precision_options(precision: str, num_losses: int = 1) -> dict[str, Any]:
@@ -246,6 +264,56 @@ class SmallGAN(L.LightningModule):
         ]
 
 
+class SmallSeq(L.LightningModule):
+    """A token classifier through an LSTM and a GRU, the GRU given an initial state."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(VOCABULARY, 8)
+        self.project = nn.Linear(8, 16)
+        self.lstm = nn.LSTM(16, 16, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(32, 16, batch_first=True)
+        self.head = nn.Linear(16, CLASSES)
+        self.lstm_computed_in: set[str] = set()  # the LSTM's output dtype, in training
+        self.lstm.register_forward_hook(lambda module, args, output: self.record_dtype(output[0]))
+
+    def record_dtype(self, output: torch.Tensor) -> None:
+        if self.training:
+            self.lstm_computed_in.add(str(output.dtype).removeprefix("torch."))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        sequence, (last, _) = self.lstm(self.project(self.embed(tokens)))
+        # The GRU starts from the LSTM's final state: its last layer's, both directions summed.
+        _, state = self.gru(sequence, last[-2:].sum(dim=0, keepdim=True))
+        return self.head(state[0]).float()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, y, _ = batch
+        loss = F.cross_entropy(self(tokens), y)
+        self.log("seq_train_loss", loss, sync_dist=True)
+        return loss
+
+    def evaluate(self, stage: str, batch: Any) -> None:
+        tokens, y, _ = batch
+        logits = self(tokens)
+        self.log(f"{stage}_seq_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log(f"{stage}_seq_acc", (logits.argmax(dim=1) == y).float().mean(), sync_dist=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluate("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluate("test", batch)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        tokens, _, index = batch
+        return {"index": index, "logits": self(tokens)}
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
 def trainer_options(**kwargs: Any) -> dict[str, Any]:
     return dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
@@ -350,6 +418,41 @@ def run_gan(precision: str, report: dict[str, Any]) -> None:
     }
 
 
+def run_seq(precision: str, out: Path, report: dict[str, Any]) -> None:
+    """The sequence model's fit, then validate, test and predict; a failed fit is recorded as ``seq_failed``."""
+    L.seed_everything(0, workers=True)
+    trainer = L.Trainer(
+        strategy=EnvDDPStrategy(timeout=60),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        **trainer_options(**precision_options(precision)),
+    )
+    model = SmallSeq()
+    start = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    eval_loader = loader(EVAL_SIZE, seed=3, data=sequences)
+    try:
+        trainer.fit(model, loader(TRAIN_SIZE, seed=1, shuffle=True, data=sequences), eval_loader)
+    except Exception as error:  # torch's own refusal on this CPU, or not: the test judges
+        report["seq_failed"] = {"message": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+        return
+    moved: dict[str, float] = {}
+    for name, parameter in model.named_parameters():
+        module = name.partition(".")[0]
+        distance = float((parameter.detach().float() - start[name].float()).abs().max())
+        moved[module] = max(moved.get(module, 0.0), distance)
+    report["seq"] = {
+        "global_step": trainer.global_step,
+        "callback_metrics": finite(trainer.callback_metrics),
+        "moved": moved,
+        "lstm_computed_in": sorted(model.lstm_computed_in),
+        "validate": finite(trainer.validate(model, eval_loader, verbose=False)[0]),
+        "test": finite(trainer.test(model, eval_loader, verbose=False)[0]),
+        "predict": predictions(trainer.predict(model, eval_loader)),
+    }
+    trainer.save_checkpoint(out / SEQ_CHECKPOINT)
+
+
 def train(precision: str, part: str, out: Path, report: dict[str, Any]) -> None:
     """``part`` of the run under ``precision``; what happened goes into ``report`` (an error with its part)."""
     stage = "cnn"
@@ -373,6 +476,9 @@ def train(precision: str, part: str, out: Path, report: dict[str, Any]) -> None:
         stage = "gan"
         if part in ("all", "gan"):
             run_gan(precision, report)
+        stage = "seq"
+        if part in ("all", "seq"):
+            run_seq(precision, out, report)
     except Exception as error:
         report["error"] = {
             "part": stage,
@@ -383,15 +489,19 @@ def train(precision: str, part: str, out: Path, report: dict[str, Any]) -> None:
 
 
 def reload(runs: list[Path], out: Path) -> None:
-    """In a new process, one rank: each run's best checkpoint through ``load_from_checkpoint``, then ``predict``
-    under the run's precision; OUT/reload.json holds the predictions of each."""
+    """In a new process, one rank: each run's best checkpoint, and its sequence model's where one was saved, through
+    ``load_from_checkpoint``, then ``predict`` under the run's precision; OUT/reload.json holds the predictions of
+    each, by run and model (``cnn``, ``seq``)."""
     found: dict[str, Any] = {}
     for run in runs:
         trained = json.loads((run / "cnn-rank0.json").read_text())
         precision = trained["precision"]
-        model = SmallCNN.load_from_checkpoint(trained["fit"]["best_model_path"])
         trainer = L.Trainer(strategy=EnvDDPStrategy(), logger=False, **trainer_options(**precision_options(precision)))
-        found[run.name] = predictions(trainer.predict(model, loader(EVAL_SIZE, seed=3)))
+        model = SmallCNN.load_from_checkpoint(trained["fit"]["best_model_path"])
+        found[run.name] = {"cnn": predictions(trainer.predict(model, loader(EVAL_SIZE, seed=3)))}
+        if (run / SEQ_CHECKPOINT).is_file():
+            seq = SmallSeq.load_from_checkpoint(run / SEQ_CHECKPOINT)
+            found[run.name]["seq"] = predictions(trainer.predict(seq, loader(EVAL_SIZE, seed=3, data=sequences)))
     (out / "reload.json").write_text(json.dumps(found))
 
 
@@ -399,7 +509,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--precision", help="the precision to train under")
-    parser.add_argument("--part", default="all", choices=["all", "cnn", "gan"])
+    parser.add_argument("--part", default="all", choices=["all", "cnn", "gan", "seq"])
     parser.add_argument("--reload", nargs="*", default=None, help="the OUT folders of earlier runs to reload")
     args = parser.parse_args()
     out = Path(args.out)
@@ -410,8 +520,9 @@ def main() -> None:
     try:
         train(args.precision, args.part, out, report)
     finally:
-        # The CNN's report goes to cnn-rank<RANK>.json, the GAN's (when it ran alone) to gan-rank<RANK>.json.
-        name = "gan" if args.part == "gan" else "cnn"
+        # The CNN's report goes to cnn-rank<RANK>.json, the GAN's or the sequence model's (when it ran alone) to
+        # gan-rank<RANK>.json or seq-rank<RANK>.json.
+        name = args.part if args.part in ("gan", "seq") else "cnn"
         (out / f"{name}-rank{report['rank']}.json").write_text(json.dumps(report, default=str, indent=1))
 
 
