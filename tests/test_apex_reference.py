@@ -261,8 +261,8 @@ class RNNRun:
     logs: list[str]
 
 
-def rnn_run(preloaded: Preloaded, out: Path, mode: str) -> RNNRun:
-    ranks = preloaded.run("rnn_pairs.py", "--out", str(out), "--mode", mode, log=out / "logs")
+def rnn_run(preloaded: Preloaded, out: Path, mode: str, *args: str) -> RNNRun:
+    ranks = preloaded.run("rnn_pairs.py", "--out", str(out), "--mode", mode, *args, log=out / "logs")
     if mode == "lightning":
         ranks.check()  # the classic script is judged by what it saved (its plain teardown may abort on exit)
     return RNNRun(torch.load(out / "weights.pt"), json.loads((out / "dtypes.json").read_text()), ranks.logs)
@@ -296,3 +296,15 @@ def test_the_rnn_fix_is_said_once_on_rank_zero(rnn_pair: tuple[RNNRun, RNNRun]) 
     line = "AmpPrecision: apex O1 runs RNNs in fp16 inside torch's _VF calls"
     assert lightning.logs[0].count(line) == 1
     assert line not in lightning.logs[1]
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_the_same_rnns_train_in_fp16_under_apex_o2_and_o3_with_nothing_lifted(
+    preloaded: Preloaded, tmp_path: Path, level: str
+) -> None:
+    # O2 and O3 cast the whole model, RNN weights included, so torch's dtype check passes and envddp hooks nothing.
+    run = rnn_run(preloaded, tmp_path, "lightning", "--level", level)
+    assert run.dtypes == {"lstm": "torch.float16", "gru": "torch.float16", "rnn": "torch.float16"}
+    assert all(torch.isfinite(tensor).all() for tensor in run.weights.values())
+    assert "AmpPrecision: apex O1 runs RNNs" not in run.logs[0]

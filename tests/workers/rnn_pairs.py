@@ -8,7 +8,8 @@ initial state), an ``nn.RNN`` (ReLU) over a ``PackedSequence`` of the GRU's outp
 change a torch newer than 2.1 needs applied by hand, as its user would: each RNN's input in its weights' dtype for
 torch's dtype check (apex casts it back to fp16 inside ``_VF``), and apex's own ``wrap.new_rnn_cast`` for
 ``nn.RNN``'s ``_VF.rnn_tanh`` / ``rnn_relu``, which today's ``nn.RNN.forward`` calls past apex's patch.
---mode lightning: the same model under ``Trainer(strategy="envddp", precision="apex-O1")``, unchanged.
+--mode lightning: the same model under ``Trainer(strategy="envddp", precision="apex-O1")``, unchanged (``--level O2``
+or ``O3``: the levels that cast the whole model, where nothing is lifted).
 
 Rank 0 saves OUT/weights.pt (the model's fp32 state_dict) and OUT/dtypes.json (the dtype of each RNN's output).
 With --cuda both run on cuda:LOCAL_RANK over NCCL, where apex's RNN cast meets cuDNN's flat weights, the layout it
@@ -31,6 +32,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--mode", required=True, choices=["classic", "lightning"])
 parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--level", default="O1", choices=["O1", "O2", "O3"], help="--mode lightning's apex level")
 parser.add_argument("--cuda", action="store_true", help="NCCL on cuda:LOCAL_RANK (cuDNN's flat RNN weights)")
 args = parser.parse_args()
 if args.cuda:
@@ -142,7 +144,7 @@ def lightning() -> None:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     trainer = L.Trainer(
-        strategy="envddp", precision="apex-O1", accelerator="cuda" if args.cuda else "cpu", max_epochs=args.epochs,
+        strategy="envddp", precision=f"apex-{args.level}", accelerator="cuda" if args.cuda else "cpu", max_epochs=args.epochs,
         logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
