@@ -9,8 +9,9 @@ backend undoes each under O1 only, for the rest of the process, as O1's patches 
   patch reaches (:func:`keep_attention_off_the_fast_path`);
 * apex's cache of fp16 weight casts, whose check no longer matches torch's autograd graph
   (:func:`turn_off_the_weight_cast_cache`);
-* the dtype check of ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (torch 2.2 and later), which refuses O1's fp16
-  activations before apex's cast, and ``nn.RNN``'s direct ``_VF`` call past that cast
+* the dtype check of ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``, which refuses O1's fp16 activations before apex's cast
+  (``nn.GRU`` and ``nn.RNN`` on every supported torch, ``nn.LSTM`` from torch 2.2), and ``nn.RNN``'s direct ``_VF``
+  call past that cast
   (:func:`hand_rnns_their_input`).
 """
 
@@ -71,9 +72,10 @@ def hand_rnns_their_input(model: Module, amp: ModuleType) -> None:
     was written for; call it after ``amp.initialize``.
 
     O1 casts an RNN's input and weights to fp16 inside torch's ``_VF`` call (apex's ``wrap.new_rnn_cast``, with
-    ``utils.new_synthesize_flattened_rnn_weights``), but since torch 2.2 the module's own ``check_input`` first
-    refuses an input whose dtype is not its weights' unless autocast is on, and O1's fp16 activations (a Linear's
-    output) are that input: "RNN input dtype (torch.float16) does not match weight dtype (torch.float32)". Each RNN
+    ``utils.new_synthesize_flattened_rnn_weights``), but the module's own ``check_input`` first refuses an input
+    whose dtype is not its weights' unless autocast is on (``nn.GRU`` and ``nn.RNN`` on every supported torch,
+    ``nn.LSTM`` from torch 2.2), and O1's fp16 activations (a Linear's output) are that input: "RNN input dtype
+    (torch.float16) does not match weight dtype (torch.float32)" ("input must have the type ..." on torch 2.1). Each RNN
     gets its fp16 input in its weights' dtype (a forward pre-hook): exact, and apex's cast makes it fp16 again, so
     the recurrence computes as if the check were not there. ``nn.RNN`` also calls ``_VF.rnn_tanh`` / ``rnn_relu``
     directly, past the ``_rnn_impls`` entries apex wraps, so apex never cast it; apex's own ``new_rnn_cast`` is
