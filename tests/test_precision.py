@@ -1129,3 +1129,37 @@ def test_apex_registration_before_fit_takes_effect_under_apex_o1(
     model = EinsumModel()
     fit(model, precision="apex-O1", max_steps=2)
     assert model.dtypes == [computes_in, computes_in]
+
+
+# --- RNNs under apex O1 (the 2-rank equivalence is test_apex_reference.py's) ------------------------------------
+
+
+class LinearThenLSTM(L.LightningModule):
+    """A Linear feeding an LSTM, which gets its input by keyword: O1 makes the Linear's output fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.lstm = torch.nn.LSTM(8, 4, batch_first=True)
+        self.dtypes: list[torch.dtype] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out, _ = self.lstm(input=self.linear(x).unsqueeze(1))
+        self.dtypes.append(out.dtype)
+        return torch.nn.functional.mse_loss(out[:, -1, :1].float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@needs_cpu_fp16
+def test_an_lstm_given_o1s_fp16_activation_by_keyword_trains_in_fp16_and_the_fix_is_said_once(
+    apex_double: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = LinearThenLSTM()
+    with caplog.at_level(logging.INFO):
+        fit(model, precision="apex-O1", max_steps=2)
+    assert model.dtypes == [torch.float16, torch.float16]
+    said = [r.getMessage() for r in caplog.records if "apex O1 runs RNNs in fp16" in r.getMessage()]
+    assert len(said) <= 1  # once a process: an earlier test in this process may have said it

@@ -31,6 +31,8 @@ from lightning_ddp_amp.errors import PrecisionConfigurationError
 _HOOKED_RNNS: weakref.WeakSet[Module] = weakref.WeakSet()
 # apex's _VF shims whose rnn_tanh and rnn_relu went through new_rnn_cast (each amp.initialize installs a new one).
 _CAST_SHIMS: weakref.WeakSet[object] = weakref.WeakSet()
+# Whether this process said what it does to RNNs (once, on rank 0).
+_SAID: list[bool] = []
 
 
 def turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
@@ -111,7 +113,8 @@ def hand_rnns_their_input(model: Module, amp: ModuleType) -> None:
         for name in ("rnn_tanh", "rnn_relu"):
             amp.wrap.new_rnn_cast(name, amp._amp_state.handle)
         _CAST_SHIMS.add(shim)
-    if new and len(new) == len(_HOOKED_RNNS):
+    if new and not _SAID:
+        _SAID.append(True)
         rank_zero_info(
             "AmpPrecision: apex O1 runs RNNs in fp16 inside torch's _VF calls, after nn.LSTM / nn.GRU / nn.RNN check"
             " that their input has their weights' dtype; each RNN gets its input in fp32 for that check (apex casts"
@@ -120,12 +123,14 @@ def hand_rnns_their_input(model: Module, amp: ModuleType) -> None:
 
 
 def _input_in_weight_dtype(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A forward pre-hook: an fp16 input (a tensor or a PackedSequence) of an RNN with fp32 weights, in fp32."""
-    if not args:
-        return None
-    given = args[0]
+    """A forward pre-hook: an fp16 input (a tensor or a PackedSequence, by position or as ``input=``) of an RNN with
+    fp32 weights, in fp32."""
+    given = args[0] if args else kwargs.get("input")
     data = given.data if isinstance(given, PackedSequence) else given
     weight = module.weight_ih_l0
-    if isinstance(data, torch.Tensor) and data.dtype == torch.float16 and weight.dtype == torch.float32:
+    if not (isinstance(data, torch.Tensor) and data.dtype == torch.float16 and weight.dtype == torch.float32):
+        return None
+    assert given is not None
+    if args:
         return (given.to(weight.dtype), *args[1:]), kwargs
-    return None
+    return args, {**kwargs, "input": given.to(weight.dtype)}

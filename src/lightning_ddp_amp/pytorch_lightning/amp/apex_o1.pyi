@@ -32,6 +32,8 @@ from lightning_ddp_amp.errors import PrecisionConfigurationError
 _HOOKED_RNNS: weakref.WeakSet[Module] = weakref.WeakSet()
 # apex's _VF shims whose rnn_tanh and rnn_relu went through new_rnn_cast (each amp.initialize installs a new one).
 _CAST_SHIMS: weakref.WeakSet[object] = weakref.WeakSet()
+# Whether this process said what it does to RNNs (once, on rank 0).
+_SAID: list[bool] = []
 
 
 def turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
@@ -86,5 +88,6 @@ def hand_rnns_their_input(model: Module, amp: ModuleType) -> None:
 
 
 def _input_in_weight_dtype(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A forward pre-hook: an fp16 input (a tensor or a PackedSequence) of an RNN with fp32 weights, in fp32."""
+    """A forward pre-hook: an fp16 input (a tensor or a PackedSequence, by position or as ``input=``) of an RNN with
+    fp32 weights, in fp32."""
     ...
