@@ -70,7 +70,7 @@ PUBLIC = {
 
 #: The parts of the package, by folder or top-level module ("" is the package's ``__init__``), lowest layer first.
 LAYERS: list[dict[str, set[str]]] = [
-    {"base": {"errors", "_lightning", "_namespaces", "safe_load", "versions", "precision_strings"}},
+    {"base": {"errors", "_lightning", "_namespaces", "safe_load", "versions", "precision_strings", "rank_zero"}},
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
     {"migrate": {"migrate"}},

@@ -26,13 +26,12 @@ from torch.nn import Module
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_ddp_amp.errors import PrecisionConfigurationError
+from lightning_ddp_amp.rank_zero import log_once
 
 # The RNN modules handed their input in their weights' dtype so far in this process.
 _HOOKED_RNNS: weakref.WeakSet[Module] = weakref.WeakSet()
 # apex's _VF shims whose rnn_tanh and rnn_relu went through new_rnn_cast (each amp.initialize installs a new one).
 _CAST_SHIMS: weakref.WeakSet[object] = weakref.WeakSet()
-# Whether this process said what it does to RNNs (once, on rank 0).
-_SAID: list[bool] = []
 
 
 def turn_off_the_weight_cast_cache(amp: ModuleType) -> None:
@@ -113,9 +112,8 @@ def hand_rnns_their_input(model: Module, amp: ModuleType) -> None:
         for name in ("rnn_tanh", "rnn_relu"):
             amp.wrap.new_rnn_cast(name, amp._amp_state.handle)
         _CAST_SHIMS.add(shim)
-    if new and not _SAID:
-        _SAID.append(True)
-        rank_zero_info(
+    if new:
+        log_once(
             "AmpPrecision: apex O1 runs RNNs in fp16 inside torch's _VF calls, after nn.LSTM / nn.GRU / nn.RNN check"
             " that their input has their weights' dtype; each RNN gets its input in fp32 for that check (apex casts"
             " it back), and nn.RNN, whose _VF call apex's patch misses, gets apex's cast"

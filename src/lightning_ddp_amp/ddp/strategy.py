@@ -44,7 +44,6 @@ import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.amp.precision import AmpPrecision
 from lightning_ddp_amp.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
-from lightning_ddp_amp.ddp.rank_zero import log_once
 from lightning_ddp_amp.ddp.reconciler import TopologyReconciler, check_layer_sync
 from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
@@ -77,6 +76,7 @@ from lightning_ddp_amp.launch.process_group import (
     started_by_script,
     torch_gaps,
 )
+from lightning_ddp_amp.rank_zero import log_once
 
 
 class EnvDDPStrategy(DDPStrategy):

@@ -27,13 +27,12 @@ from torch.nn import Module
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_ddp_amp.errors import PrecisionConfigurationError
+from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
 
 # The RNN modules handed their input in their weights' dtype so far in this process.
 _HOOKED_RNNS: weakref.WeakSet[Module] = weakref.WeakSet()
 # apex's _VF shims whose rnn_tanh and rnn_relu went through new_rnn_cast (each amp.initialize installs a new one).
 _CAST_SHIMS: weakref.WeakSet[object] = weakref.WeakSet()
-# Whether this process said what it does to RNNs (once, on rank 0).
-_SAID: list[bool] = []
 
 
 def turn_off_the_weight_cast_cache(amp: ModuleType) -> None:

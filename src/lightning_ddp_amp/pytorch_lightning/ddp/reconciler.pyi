@@ -22,12 +22,12 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.pytorch_lightning.ddp.rank_zero import log_once
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.launch.devices import select_devices
 from lightning_ddp_amp.launch.environment import Topology, read_topology
+from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
 
 
 class TopologyReconciler:

@@ -45,7 +45,6 @@ import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision
 from lightning_ddp_amp.pytorch_lightning.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
-from lightning_ddp_amp.pytorch_lightning.ddp.rank_zero import log_once
 from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import TopologyReconciler, check_layer_sync
 from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     AtomicCheckpointIO,
@@ -78,6 +77,7 @@ from lightning_ddp_amp.launch.process_group import (
     started_by_script,
     torch_gaps,
 )
+from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
 
 
 class EnvDDPStrategy(DDPStrategy):

@@ -1,8 +1,8 @@
-"""What rank 0 says about envddp's decisions: once per process, however many Trainers make them."""
+"""What rank 0 says about the package's decisions: once per process, however many Trainers (or fits) make them."""
 
 from __future__ import annotations
 
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 
 _LOGGED: set[str] = set()
 
