@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.fabric.accelerators.accelerator import Accelerator
+from lightning.fabric.accelerators.cuda import CUDAAccelerator as FabricCUDAAccelerator
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -37,9 +39,11 @@ class TopologyReconciler:
             rank; None when left to envddp (``"auto"``). Known once :meth:`check` has run.
         shard_dataloaders: ``Trainer(use_distributed_sampler=...)``: whether envddp shards the DataLoaders; None
             until the Trainer says.
+        front: ``"Trainer"`` or ``"Fabric"``: whose arguments the messages name.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, front: str = "Trainer") -> None:
+        self.front = front
         self.requested: list[torch.device] | None = None
         self.shard_dataloaders: bool | None = None
         self._environment: ClusterEnvironment | None = None
@@ -99,7 +103,7 @@ class TopologyReconciler:
         """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
         until then)."""
         if self._devices is None and accelerator is not None:
-            on_cuda = isinstance(accelerator, CUDAAccelerator)
+            on_cuda = on_cuda_accelerator(accelerator)
             self._devices = select_devices(
                 "cuda" if on_cuda else "cpu",
                 self.topology,
@@ -157,7 +161,7 @@ class TopologyReconciler:
                 num_nodes,
                 f"the launcher started {topology.num_nodes} node(s) (WORLD_SIZE={topology.world_size},"
                 f" LOCAL_WORLD_SIZE={topology.local_world_size})",
-                f"drop num_nodes from the Trainer (envddp reads it from the launcher) or set num_nodes="
+                f"drop num_nodes from the {self.front} (envddp reads it from the launcher) or set num_nodes="
                 f"{topology.num_nodes}",
             )
         requested = _requested_devices(accelerator, devices)
@@ -169,7 +173,7 @@ class TopologyReconciler:
                     "devices",
                     devices,
                     f"EnvDDPStrategy(parallel_devices={self._given_devices}) names other devices",
-                    "name the devices once: drop devices from the Trainer, or parallel_devices from the strategy",
+                    f"name the devices once: drop devices from the {self.front}, or parallel_devices from the strategy",
                 )
             requested, field, value = self._given_devices, "parallel_devices", self._given_devices
         self.requested = requested
@@ -179,13 +183,13 @@ class TopologyReconciler:
                 value,
                 f"the launcher started {topology.local_world_size} process(es) on this node"
                 f" (LOCAL_WORLD_SIZE={topology.local_world_size})",
-                f"drop devices from the Trainer (envddp reads it from the launcher) or set devices="
+                f"drop devices from the {self.front} (envddp reads it from the launcher) or set devices="
                 f"{topology.local_world_size}"
                 if field == "devices"
                 else "drop parallel_devices from the strategy (envddp picks one device per local rank) or list"
                 f" {topology.local_world_size}, one per local rank",
             )
-        if requested is not None and isinstance(accelerator, CUDAAccelerator):
+        if requested is not None and on_cuda_accelerator(accelerator):
             self._cuda_indices = [device.index for device in requested]
             self._devices = None
 
@@ -220,16 +224,16 @@ class TopologyReconciler:
                     warn=True,
                 )
             return
-        on_cuda = isinstance(accelerator, CUDAAccelerator)
+        on_cuda = on_cuda_accelerator(accelerator)
         requested = self.requested
         count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
         if count > 1:
             arguments = selflaunch.plan(count, max_restarts)
             if on_cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 rank_zero_warn(
-                    "CUDA was used before the Trainer was built: this process only supervises the ranks now, but it"
-                    " keeps its CUDA context (and any tensors) on the GPU for the whole run. Build the Trainer before"
-                    " touching the GPU."
+                    f"CUDA was used before the {self.front} started the ranks: this process only supervises them now,"
+                    " but it keeps its CUDA context (and any tensors) on the GPU for the whole run. Start the ranks"
+                    " before touching the GPU."
                 )
             command = " ".join(arguments)
             rank_zero_info(
@@ -238,8 +242,13 @@ class TopologyReconciler:
             selflaunch.launch(arguments)
         log_once(
             f"envddp: no launcher variables, so one process trains on {'cuda' if on_cuda else 'cpu'}"
-            " (Trainer(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
+            f" ({self.front}(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
         )
+
+
+def on_cuda_accelerator(accelerator: object) -> bool:
+    """Whether ``accelerator`` is the Trainer's or Fabric's CUDA accelerator (two classes of one name)."""
+    return isinstance(accelerator, (CUDAAccelerator, FabricCUDAAccelerator))
 
 
 def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str | int) -> list[torch.device] | None:
@@ -267,3 +276,60 @@ def check_layer_sync(layer_sync: object | None, accelerator: Accelerator | None,
             "drop Trainer(sync_batchnorm=True) on the CPU (each rank keeps its own BatchNorm statistics), or train on"
             " GPUs",
         )
+
+
+class ReconciledTopology:
+    """The ``cluster_environment``, ``num_nodes`` and ``parallel_devices`` of Lightning's strategies (the Trainer's and
+    Fabric's), answered by a :class:`TopologyReconciler` at ``self._reconciler``: envddp's two strategies derive from
+    this first, so Lightning's own code reads and sets them through it."""
+
+    _reconciler: TopologyReconciler
+
+    @property
+    def topology(self) -> Topology:
+        """What the launcher, or the cluster environment given, set up (validated)."""
+        return self._reconciler.topology
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None:
+        """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
+        the Trainer's or Fabric's ``plugins``), else a :class:`~lightning_ddp_amp.LauncherEnvironment` over the
+        launcher's variables.
+
+        None until one of them is known: that is how Lightning knows to hand over its plugin.
+        """
+        return self._reconciler.environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
+        """Read the topology from ``environment`` (:meth:`TopologyReconciler.set_environment`); None leaves the
+        choice open.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
+            StrategyConfigurationError: The environment cannot be honoured (see
+                :func:`~lightning_ddp_amp.launch.cluster_environment.environment_topology`).
+        """
+        self._reconciler.set_environment(environment)
+
+    @property
+    def num_nodes(self) -> int:
+        """The launcher's number of nodes."""
+        return self.topology.num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Ignored: the launcher decides the number of nodes (checked against the Trainer's or Fabric's
+        ``num_nodes`` by :meth:`TopologyReconciler.check`)."""
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
+        until then)."""
+        return self._reconciler.devices(getattr(self, "accelerator", None))
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        """One device per local rank, as ``devices=[...]``; checked against the launcher's processes per node by
+        :meth:`TopologyReconciler.check`. None (Lightning's default) keeps the choice to the strategy."""
+        self._reconciler.set_devices(parallel_devices)

@@ -15,7 +15,6 @@ The recipe, and where each of its lines happens here::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import pickle
@@ -44,7 +43,7 @@ import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.amp.precision import AmpPrecision
 from lightning_ddp_amp.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
-from lightning_ddp_amp.ddp.reconciler import TopologyReconciler, check_layer_sync
+from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler, check_layer_sync
 from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -64,22 +63,19 @@ from lightning_ddp_amp.ddp.wrapper import (
     resolve_comm_hook,
 )
 from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
-from lightning_ddp_amp.launch.environment import Topology, started_by
+from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
-    check_script_group,
-    destroy_process_group,
     explain_peer_failure,
-    init_process_group,
+    join_or_start,
     mean_of_integers,
     resolve_timeout,
     started_by_script,
-    torch_gaps,
 )
 from lightning_ddp_amp.rank_zero import log_once
 
 
-class EnvDDPStrategy(DDPStrategy):
+class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     """DistributedDataParallel with the topology read from the launcher's environment.
 
     Launch with ``torchrun`` (or ``python -m torch.distributed.launch``, ``srun``, ``mpirun``) and pass
@@ -212,56 +208,6 @@ class EnvDDPStrategy(DDPStrategy):
             # Trainer's ClusterEnvironment plugin then meets Lightning's "set through both strategy and plugins".
             self._reconciler.use_launcher_unless_given()
 
-    @property
-    def topology(self) -> Topology:
-        """What the launcher, or the cluster environment given, set up (validated)."""
-        return self._reconciler.topology
-
-    @property
-    @override
-    def cluster_environment(self) -> ClusterEnvironment | None:
-        """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
-        the Trainer's ``plugins``), else a :class:`~lightning_ddp_amp.LauncherEnvironment` over the launcher's
-        variables.
-
-        None until one of them is known: that is how the Trainer knows to hand over its plugin.
-        """
-        return self._reconciler.environment
-
-    @cluster_environment.setter
-    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
-        """Read the topology from ``environment`` (:meth:`TopologyReconciler.set_environment
-        <lightning_ddp_amp.ddp.reconciler.TopologyReconciler.set_environment>`); None leaves the choice open.
-
-        Raises:
-            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
-            StrategyConfigurationError: The environment cannot be honoured (see
-                :func:`~lightning_ddp_amp.launch.cluster_environment.environment_topology`).
-        """
-        self._reconciler.set_environment(environment)
-
-    @property
-    @override
-    def num_nodes(self) -> int:
-        return self.topology.num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
-
-    @property
-    @override
-    def parallel_devices(self) -> list[torch.device] | None:
-        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
-        until then)."""
-        return self._reconciler.devices(self.accelerator)
-
-    @parallel_devices.setter
-    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
-        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
-        node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
-        self._reconciler.set_devices(parallel_devices)
-
     def check_trainer_flags(
         self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
     ) -> None:
@@ -306,40 +252,24 @@ class EnvDDPStrategy(DDPStrategy):
         self.set_world_ranks()
         if self._group_ready:
             return  # an earlier fit, validate or test with this strategy set it up
-        script_group = started_by_script()
-        if not script_group and not self.topology.is_distributed:
-            if self.topology.launcher != "none":  # without a launcher, start_missing_ranks said it
+        backend_given = self._process_group_backend is not None
+        backend = self._get_process_group_backend()
+        if self.topology.is_distributed or started_by_script():
+            self._process_group_backend = backend
+        if self.topology.is_distributed:
+            check_comm_hook_backend(self._ddp_comm_hook, self._ddp_comm_wrapper, backend)
+        how = join_or_start(self.topology, backend, backend_given, self.timeout, self.root_device)
+        if how is None:
+            if not started_by_script() and self.topology.launcher != "none":  # without one, start_missing_ranks said it
                 log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
             return
-        backend_given = self._process_group_backend is not None
-        self._process_group_backend = backend = self._get_process_group_backend()
-        if script_group:
-            # A classic script's dist.init_process_group, kept before the Trainer: trained on if it is the group
-            # envddp would start, and everything below is done on it as on envddp's own.
-            check_script_group(self.topology, backend, self.root_device, backend_given)
-            if not self.topology.is_distributed:
-                return
-        check_comm_hook_backend(self._ddp_comm_hook, self._ddp_comm_wrapper, backend)
-        how = ", using the process group the script created" if script_group else self._start_group(backend)
         self._resume.setup_distributed()
         rank_zero_info(
             f"envddp: {self.topology.world_size} ranks on {self.topology.num_nodes} node(s),"
-            f" backend {self._process_group_backend}, {started_by(self.topology.launcher)}{how}"
+            f" backend {backend}, {started_by(self.topology.launcher)}{how}"
         )
         self.barrier("envddp: process group ready")
         self._group_ready = True
-
-    def _start_group(self, backend: str) -> str:
-        """Start envddp's own process group, unless an earlier Trainer in this process did; say how, for the log."""
-        if dist.is_initialized():
-            # An earlier Trainer in this process started it; this strategy still needs its own preemption group.
-            return ", using the process group an earlier Trainer started"
-        init_process_group(self.topology, backend, self.timeout, self.root_device)
-        # Only the group started here is ended here: the script ends its own, perhaps in an atexit handler of its
-        # own that would fail on a group already gone (torch 2.1's exit hang is its script's, as before).
-        atexit.register(destroy_process_group)
-        # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
-        return "".join(f"; {gap}" for gap in (torch_gaps() if self.root_device.type == "cuda" else []))
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -13,6 +13,7 @@ and done without: :func:`torch_gaps` names it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import itertools
@@ -304,6 +305,47 @@ def explain_peer_failure(exception: BaseException, timeout: timedelta) -> None:
         f" EnvDDPStrategy(auto_resume=True). Original error: {text}",
         *exception.args[1:],
     )
+
+
+def join_or_start(
+    topology: Topology, backend: str, backend_given: bool, timeout: timedelta, device: torch.device
+) -> str | None:
+    """The process group this process trains in: the one the script started (checked), one an earlier Trainer or
+    Fabric of this process started, or one started here (and ended at exit). The Trainer's and Fabric's envddp both
+    start theirs here.
+
+    Args:
+        topology: What the launcher started.
+        backend: The backend envddp runs (the user's ``process_group_backend`` or its choice for the device).
+        backend_given: Whether the user named the backend.
+        timeout: How long collectives, and the wait for every peer, may take.
+        device: The rank's device.
+
+    Returns:
+        How the group came to be, for the line rank 0 says (", using the process group the script created", or
+        what this torch lacks); None when this process trains alone, with no group.
+
+    Raises:
+        StrategyConfigurationError: The script's group runs another backend than ``backend``.
+        TopologyMismatchError: The script's group has another rank or world size than the launcher's.
+        PeerError: A peer did not join within ``timeout``.
+    """
+    script_group = started_by_script()
+    if script_group:
+        # A classic script's dist.init_process_group, kept before the Trainer or Fabric: trained on if it is the
+        # group envddp would start.
+        check_script_group(topology, backend, device, backend_given)
+        return ", using the process group the script created" if topology.is_distributed else None
+    if not topology.is_distributed:
+        return None
+    if dist.is_initialized():
+        return ", using the process group an earlier Trainer or Fabric started"
+    init_process_group(topology, backend, timeout, device)
+    # Only the group started here is ended here: the script ends its own, perhaps in an atexit handler of its own
+    # that would fail on a group already gone.
+    atexit.register(destroy_process_group)
+    # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
+    return "".join(f"; {gap}" for gap in (torch_gaps() if device.type == "cuda" else []))
 
 
 def destroy_process_group() -> None:

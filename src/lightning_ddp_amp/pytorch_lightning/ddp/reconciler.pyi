@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning_fabric.accelerators.accelerator import Accelerator
+from lightning_fabric.accelerators.cuda import CUDAAccelerator as FabricCUDAAccelerator
 from lightning_fabric.plugins import ClusterEnvironment
-from pytorch_lightning.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
@@ -38,9 +40,10 @@ class TopologyReconciler:
             rank; None when left to envddp (``"auto"``). Known once :meth:`check` has run.
         shard_dataloaders: ``Trainer(use_distributed_sampler=...)``: whether envddp shards the DataLoaders; None
             until the Trainer says.
+        front: ``"Trainer"`` or ``"Fabric"``: whose arguments the messages name.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, front: str = "Trainer") -> None:
         ...
 
     @property
@@ -132,6 +135,11 @@ class TopologyReconciler:
         ...
 
 
+def on_cuda_accelerator(accelerator: object) -> bool:
+    """Whether ``accelerator`` is the Trainer's or Fabric's CUDA accelerator (two classes of one name)."""
+    ...
+
+
 def _requested_devices(accelerator: Accelerator | None, devices: list[int] | str | int) -> list[torch.device] | None:
     """The devices an explicit ``Trainer(devices=...)`` names; None for ``"auto"``."""
     ...
@@ -144,3 +152,60 @@ def check_layer_sync(layer_sync: object | None, accelerator: Accelerator | None,
         StrategyConfigurationError: ``sync_batchnorm=True`` with several ranks on the CPU.
     """
     ...
+
+
+class ReconciledTopology:
+    """The ``cluster_environment``, ``num_nodes`` and ``parallel_devices`` of Lightning's strategies (the Trainer's and
+    Fabric's), answered by a :class:`TopologyReconciler` at ``self._reconciler``: envddp's two strategies derive from
+    this first, so Lightning's own code reads and sets them through it."""
+
+    _reconciler: TopologyReconciler
+
+    @property
+    def topology(self) -> Topology:
+        """What the launcher, or the cluster environment given, set up (validated)."""
+        ...
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None:
+        """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
+        the Trainer's or Fabric's ``plugins``), else a :class:`~lightning_ddp_amp.pytorch_lightning.LauncherEnvironment` over the
+        launcher's variables.
+
+        None until one of them is known: that is how Lightning knows to hand over its plugin.
+        """
+        ...
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
+        """Read the topology from ``environment`` (:meth:`TopologyReconciler.set_environment`); None leaves the
+        choice open.
+
+        Raises:
+            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
+            StrategyConfigurationError: The environment cannot be honoured (see
+                :func:`~lightning_ddp_amp.pytorch_lightning.launch.cluster_environment.environment_topology`).
+        """
+        ...
+
+    @property
+    def num_nodes(self) -> int:
+        """The launcher's number of nodes."""
+        ...
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Ignored: the launcher decides the number of nodes (checked against the Trainer's or Fabric's
+        ``num_nodes`` by :meth:`TopologyReconciler.check`)."""
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
+        until then)."""
+        ...
+
+    @parallel_devices.setter
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        """One device per local rank, as ``devices=[...]``; checked against the launcher's processes per node by
+        :meth:`TopologyReconciler.check`. None (Lightning's default) keeps the choice to the strategy."""
+        ...

@@ -16,7 +16,6 @@ The recipe, and where each of its lines happens here::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import pickle
@@ -45,7 +44,7 @@ import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision
 from lightning_ddp_amp.pytorch_lightning.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
-from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import TopologyReconciler, check_layer_sync
+from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler, check_layer_sync
 from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -65,22 +64,19 @@ from lightning_ddp_amp.ddp.wrapper import (
     resolve_comm_hook,
 )
 from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
-from lightning_ddp_amp.launch.environment import Topology, started_by
+from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
-    check_script_group,
-    destroy_process_group,
     explain_peer_failure,
-    init_process_group,
+    join_or_start,
     mean_of_integers,
     resolve_timeout,
     started_by_script,
-    torch_gaps,
 )
 from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
 
 
-class EnvDDPStrategy(DDPStrategy):
+class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     """DistributedDataParallel with the topology read from the launcher's environment.
 
     Launch with ``torchrun`` (or ``python -m torch.distributed.launch``, ``srun``, ``mpirun``) and pass
@@ -174,56 +170,6 @@ class EnvDDPStrategy(DDPStrategy):
         # Filled by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
         ...
 
-    @property
-    def topology(self) -> Topology:
-        """What the launcher, or the cluster environment given, set up (validated)."""
-        ...
-
-    @property
-    @override
-    def cluster_environment(self) -> ClusterEnvironment | None:
-        """Where the ranks come from: the ClusterEnvironment given (``EnvDDPStrategy(cluster_environment=...)`` or
-        the Trainer's ``plugins``), else a :class:`~lightning_ddp_amp.pytorch_lightning.LauncherEnvironment` over the launcher's
-        variables.
-
-        None until one of them is known: that is how the Trainer knows to hand over its plugin.
-        """
-        ...
-
-    @cluster_environment.setter
-    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
-        """Read the topology from ``environment`` (:meth:`TopologyReconciler.set_environment
-        <lightning_ddp_amp.pytorch_lightning.ddp.reconciler.TopologyReconciler.set_environment>`); None leaves the choice open.
-
-        Raises:
-            LauncherEnvironmentError: A launcher variable, or a value the environment reports, is wrong.
-            StrategyConfigurationError: The environment cannot be honoured (see
-                :func:`~lightning_ddp_amp.pytorch_lightning.launch.cluster_environment.environment_topology`).
-        """
-        ...
-
-    @property
-    @override
-    def num_nodes(self) -> int:
-        ...
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        """Ignored: the launcher decides the number of nodes (see :meth:`check_trainer_flags`)."""
-
-    @property
-    @override
-    def parallel_devices(self) -> list[torch.device] | None:
-        """One device per local rank, chosen from the topology once the accelerator is known (the devices given,
-        until then)."""
-        ...
-
-    @parallel_devices.setter
-    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
-        """One device per local rank, as ``Trainer(devices=[...])``; checked against the launcher's processes per
-        node by :meth:`check_trainer_flags`. None (Lightning's default) keeps the choice to the strategy."""
-        ...
-
     def check_trainer_flags(
         self, devices: list[int] | str | int, num_nodes: int, use_distributed_sampler: bool = True
     ) -> None:
@@ -261,10 +207,6 @@ class EnvDDPStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        ...
-
-    def _start_group(self, backend: str) -> str:
-        """Start envddp's own process group, unless an earlier Trainer in this process did; say how, for the log."""
         ...
 
     @override
