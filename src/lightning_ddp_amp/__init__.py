@@ -1,7 +1,7 @@
 """The classic torchrun + DDP + mixed-precision recipe as Lightning plugins.
 
 Importing this package registers ``"envddp"`` (and ``"envddp_find_unused_parameters_true"``) in Lightning's
-strategy registry and teaches ``Trainer(precision=...)`` the values ``"apex-O0"`` … ``"apex-O3"``,
+strategy registry (and in Fabric's) and teaches ``Trainer(precision=...)`` (and ``Fabric(precision=...)``) the values ``"apex-O0"`` … ``"apex-O3"``,
 ``"amp-O0"`` … ``"amp-O3"`` and ``"native-O0"`` … ``"native-O3"``, so
 ``Trainer(strategy="envddp", precision="apex-O1")`` works, with ``lightning`` and with the standalone
 ``pytorch_lightning``, whose plugin classes live in ``lightning_ddp_amp.pytorch_lightning`` (built from the same
@@ -53,6 +53,15 @@ __all__ = [
 if EnvDDPStrategy.strategy_name not in StrategyRegistry:
     EnvDDPStrategy.register_strategies(StrategyRegistry)
 _lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision)
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  # noqa: E402
+
+from lightning_ddp_amp import fabric  # noqa: E402
+from lightning_ddp_amp.fabric import precision as _fabric_precision  # noqa: E402
+
+if fabric.EnvDDPStrategy.strategy_name not in FABRIC_STRATEGIES:
+    fabric.EnvDDPStrategy.register_strategies(FABRIC_STRATEGIES)
+_lightning.install_fabric_hook(_fabric_precision.resolve_precision_flag, fabric.EnvDDPStrategy, fabric.AmpPrecision)
 
 if __name__ == "lightning_ddp_amp":  # not in lightning_ddp_amp.pytorch_lightning, which is built from this file
     from lightning_ddp_amp import _namespaces

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
+from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
@@ -145,6 +146,64 @@ def install_trainer_hook(
 
     setattr(__init__, _MARK, True)
     _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]
+
+
+def install_fabric_hook(
+    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+) -> None:
+    """Hook this package into ``Fabric.__init__``, which builds a ``_Connector`` from its arguments.
+
+    Why: Fabric has no precision registry and validates precision strings against a fixed list, refusing a plugin
+    instance as ``precision=`` too. ``Fabric(precision="apex-O1")`` is turned into an AmpPrecision in ``plugins``
+    before Fabric sees it; any other value reaches Fabric unchanged. When the strategy is ``strategy_class`` it gets
+    Fabric's raw ``devices`` and ``num_nodes`` (``check_fabric_flags``: Fabric overwrites a strategy's ``num_nodes``
+    with its own), and a ``precision_class`` plugin gets the finished strategy and device (``check_fabric_setup``).
+    Idempotent.
+
+    Args:
+        resolve_precision: :func:`lightning_ddp_amp.fabric.precision.resolve_precision_flag`.
+        strategy_class: :class:`lightning_ddp_amp.fabric.EnvDDPStrategy`.
+        precision_class: :class:`lightning_ddp_amp.fabric.AmpPrecision`.
+    """
+    if getattr(_Connector.__init__, _MARK, False):
+        return
+    original = _Connector.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: _Connector, *args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(self, *args, **kwargs)
+        arguments.apply_defaults()
+        given = arguments.arguments
+        given["precision"], given["plugins"] = resolve_precision(given["precision"], given["plugins"])
+        original(*arguments.args, **arguments.kwargs)
+        strategy: Any = self.strategy
+        if isinstance(strategy, strategy_class):
+            strategy.check_fabric_flags(devices=given["devices"], num_nodes=given["num_nodes"])
+        plugin: Any = self.precision
+        if isinstance(plugin, precision_class):
+            plugin.check_fabric_setup(strategy, self.accelerator)
+
+    setattr(__init__, _MARK, True)
+    _Connector.__init__ = __init__  # type: ignore[method-assign]
+
+
+def keep_fabric_zero_grad(optimizer: Optimizer) -> None:
+    """Make ``fabric_optimizer.zero_grad()`` call a ``zero_grad`` patched on the optimizer itself (apex O2's).
+
+    Why: Fabric's ``_FabricOptimizer`` derives from the optimizer's class and forwards only the attributes it lacks,
+    so it finds the class's ``zero_grad`` (torch's) before an instance's patch. The optimizer gets a subclass of its
+    class, of the same name, whose ``zero_grad`` calls the patch; on the optimizer itself the patch still wins.
+    """
+    patched = vars(optimizer).get("zero_grad")
+    if patched is None:
+        return
+    base = type(optimizer)
+
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return patched(*args, **kwargs)
+
+    optimizer.__class__ = type(base.__name__, (base,), {"zero_grad": zero_grad, "__module__": base.__module__})
 
 
 def trainer_env_defaults(trainer_class: type[pl.Trainer]) -> dict[str, Any]:

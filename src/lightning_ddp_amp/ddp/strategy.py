@@ -67,6 +67,7 @@ from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
     explain_peer_failure,
+    group_line,
     join_or_start,
     mean_of_integers,
     resolve_timeout,
@@ -264,10 +265,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
                 log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
             return
         self._resume.setup_distributed()
-        rank_zero_info(
-            f"envddp: {self.topology.world_size} ranks on {self.topology.num_nodes} node(s),"
-            f" backend {backend}, {started_by(self.topology.launcher)}{how}"
-        )
+        rank_zero_info(group_line(self.topology, backend, how))
         self.barrier("envddp: process group ready")
         self._group_ready = True
 

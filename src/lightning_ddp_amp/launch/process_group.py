@@ -34,7 +34,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 
 from lightning_ddp_amp.errors import PeerError, StrategyConfigurationError, TopologyMismatchError
-from lightning_ddp_amp.launch.environment import Topology
+from lightning_ddp_amp.launch.environment import Topology, started_by
 
 # What gloo and NCCL say when a peer process is gone.
 _PEER_GONE = re.compile(
@@ -346,6 +346,14 @@ def join_or_start(
     atexit.register(destroy_process_group)
     # What this torch lacks for the group (device binding before torch 2.3) only matters on CUDA.
     return "".join(f"; {gap}" for gap in (torch_gaps() if device.type == "cuda" else []))
+
+
+def group_line(topology: Topology, backend: str, how: str) -> str:
+    """The line rank 0 says once the group is up: "envddp: 2 ranks on 1 node(s), backend gloo, started by torchrun"."""
+    return (
+        f"envddp: {topology.world_size} ranks on {topology.num_nodes} node(s), backend {backend},"
+        f" {started_by(topology.launcher)}{how}"
+    )
 
 
 def destroy_process_group() -> None:
