@@ -5,7 +5,8 @@ and the import paths users are shown.
   (the one check here that imports the package).
 * No import cycles: every import counts, at module level, inside functions and under ``if TYPE_CHECKING:``.
 * Layers (:data:`LAYERS`): a module imports only from its own part of the package or from a lower layer, so
-  ``launch/`` and ``amp/`` never import each other, ``ddp/`` builds on both, and ``compare/`` on the public package.
+  ``launch/`` and ``amp/`` never import each other, ``ddp/`` builds on both, ``fabric/`` on ``ddp/``, and ``compare/`` on
+  the public package.
 * ``_lightning.py`` is the one door to Lightning's private API: no other module imports a private Lightning name,
   or reaches for an underscore attribute of an object other than its own (``self``/``cls``), also by a string
   (``getattr``, ``attrgetter``) or through the signature of a private function. What a subclass
@@ -73,7 +74,7 @@ LAYERS: list[dict[str, set[str]]] = [
     {"base": {"errors", "_lightning", "_namespaces", "safe_load", "versions", "precision_strings", "rank_zero"}},
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
-    {"migrate": {"migrate"}},
+    {"fabric": {"fabric"}, "migrate": {"migrate"}},
     {"public API": {"", "cli", "env_report"}},
     {"compare": {"compare"}},
     {"entry points": {"command_line", "__main__"}},

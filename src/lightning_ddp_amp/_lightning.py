@@ -23,6 +23,7 @@ import lightning
 import torch
 from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy  # type: ignore[attr-defined]
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -69,6 +70,16 @@ INHERITED: dict[type[Any], tuple[str, ...]] = {
         "_process_group_backend",
         "_register_ddp_hooks",
         "_setup_model",
+    ),
+    FabricDDPStrategy: (
+        "_backward_sync_control",
+        "_configure_launcher",
+        "_ddp_kwargs",
+        "_get_process_group_backend",
+        "_launcher",
+        "_process_group_backend",
+        "_set_world_ranks",
+        "_setup_distributed",
     ),
 }
 

@@ -145,6 +145,16 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         check_precision_plugin(self.precision, self._ddp, None, None)
         self._reconciler.check(self.accelerator, devices, num_nodes, True, False)
 
+    def start_missing_ranks(self) -> None:
+        """No launcher started this process: start one rank per device through torchrun, or train alone
+        (:meth:`TopologyReconciler.start_missing_ranks <lightning_ddp_amp.ddp.reconciler.TopologyReconciler.start_missing_ranks>`);
+        ``fabric.launch()`` calls this.
+
+        Raises:
+            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
+        """
+        self._reconciler.start_missing_ranks(self.accelerator, self.max_restarts)
+
     @override
     def _configure_launcher(self) -> None:
         self._launcher = _StartMissingRanks(self)  # type: ignore[assignment]
@@ -299,7 +309,7 @@ class _StartMissingRanks:
         self._strategy = strategy
 
     def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        self._strategy._reconciler.start_missing_ranks(self._strategy.accelerator, self._strategy.max_restarts)
+        self._strategy.start_missing_ranks()
         return function(*args, **kwargs)
 
 

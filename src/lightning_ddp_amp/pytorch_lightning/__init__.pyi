@@ -2,7 +2,7 @@
 """The classic torchrun + DDP + mixed-precision recipe as Lightning plugins.
 
 Importing this package registers ``"envddp"`` (and ``"envddp_find_unused_parameters_true"``) in Lightning's
-strategy registry and teaches ``Trainer(precision=...)`` the values ``"apex-O0"`` … ``"apex-O3"``,
+strategy registry (and in Fabric's) and teaches ``Trainer(precision=...)`` (and ``Fabric(precision=...)``) the values ``"apex-O0"`` … ``"apex-O3"``,
 ``"amp-O0"`` … ``"amp-O3"`` and ``"native-O0"`` … ``"native-O3"``, so
 ``Trainer(strategy="envddp", precision="apex-O1")`` works, with ``lightning`` and with the standalone
 ``pytorch_lightning``, whose plugin classes live in ``lightning_ddp_amp.pytorch_lightning`` (built from the same
@@ -49,3 +49,9 @@ __all__ = [
     "convert_apex_checkpoint",
     "read_topology",
 ]
+
+
+from lightning_fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  # noqa: E402
+
+from lightning_ddp_amp.pytorch_lightning import fabric  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.fabric import precision as _fabric_precision  # noqa: E402

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as lightning
 import torch
+from lightning_fabric.connector import _Connector
 from lightning_fabric.plugins.environments import LightningEnvironment
+from lightning_fabric.strategies import DDPStrategy as FabricDDPStrategy  # type: ignore[attr-defined]
 from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
@@ -70,6 +72,16 @@ INHERITED: dict[type[Any], tuple[str, ...]] = {
         "_register_ddp_hooks",
         "_setup_model",
     ),
+    FabricDDPStrategy: (
+        "_backward_sync_control",
+        "_configure_launcher",
+        "_ddp_kwargs",
+        "_get_process_group_backend",
+        "_launcher",
+        "_process_group_backend",
+        "_set_world_ranks",
+        "_setup_distributed",
+    ),
 }
 
 #: The type of Lightning's ``StrategyRegistry`` (Lightning exports only the instance), for annotations.
@@ -107,6 +119,36 @@ def install_trainer_hook(
         strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy`).
         precision_class: The precision plugin that checks the finished Trainer
             (:class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`).
+    """
+    ...
+
+
+def install_fabric_hook(
+    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+) -> None:
+    """Hook this package into ``Fabric.__init__``, which builds a ``_Connector`` from its arguments.
+
+    Why: Fabric has no precision registry and validates precision strings against a fixed list, refusing a plugin
+    instance as ``precision=`` too. ``Fabric(precision="apex-O1")`` is turned into an AmpPrecision in ``plugins``
+    before Fabric sees it; any other value reaches Fabric unchanged. When the strategy is ``strategy_class`` it gets
+    Fabric's raw ``devices`` and ``num_nodes`` (``check_fabric_flags``: Fabric overwrites a strategy's ``num_nodes``
+    with its own), and a ``precision_class`` plugin gets the finished strategy and device (``check_fabric_setup``).
+    Idempotent.
+
+    Args:
+        resolve_precision: :func:`lightning_ddp_amp.pytorch_lightning.fabric.precision.resolve_precision_flag`.
+        strategy_class: :class:`lightning_ddp_amp.fabric.EnvDDPStrategy`.
+        precision_class: :class:`lightning_ddp_amp.fabric.AmpPrecision`.
+    """
+    ...
+
+
+def keep_fabric_zero_grad(optimizer: Optimizer) -> None:
+    """Make ``fabric_optimizer.zero_grad()`` call a ``zero_grad`` patched on the optimizer itself (apex O2's).
+
+    Why: Fabric's ``_FabricOptimizer`` derives from the optimizer's class and forwards only the attributes it lacks,
+    so it finds the class's ``zero_grad`` (torch's) before an instance's patch. The optimizer gets a subclass of its
+    class, of the same name, whose ``zero_grad`` calls the patch; on the optimizer itself the patch still wins.
     """
     ...
 

@@ -38,13 +38,10 @@ from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_models
-from lightning_ddp_amp.errors import ApexUnavailableError, PrecisionConfigurationError, whole_number
-from lightning_ddp_amp.precision_strings import PRECISION_FLAG, OptLevel
+from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
+from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
 BACKENDS = ("auto", *backend_names())
-
-#: The backend each family of the precision strings (:data:`PRECISION_FLAG`) asks for.
-FLAG_BACKENDS = {"apex": "apex", "amp": "auto", "native": "native"}
 
 
 class AmpPrecision(Precision):
@@ -304,18 +301,8 @@ class SkipAwareScheduler:
 
 
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
-    """Turn ``Trainer(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` into an :class:`AmpPrecision` in
-    ``plugins``, with ``backend="apex"``, ``"auto"`` or ``"native"``.
-
-    Any other value, valid for Lightning or not, is returned unchanged for Lightning to judge.
-
-    Returns:
-        The ``precision`` and ``plugins`` arguments to give Lightning.
-
-    Raises:
-        PrecisionConfigurationError: ``plugins`` already holds a precision plugin.
-        ApexUnavailableError: ``"apex-O*"`` and apex amp cannot be imported.
-    """
+    """``Trainer(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` as an :class:`AmpPrecision` in ``plugins``
+    (:func:`~lightning_ddp_amp.precision_strings.resolve_flag`)."""
     ...
 
 

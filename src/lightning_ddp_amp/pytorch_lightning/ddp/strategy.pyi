@@ -68,6 +68,7 @@ from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
     explain_peer_failure,
+    group_line,
     join_or_start,
     mean_of_integers,
     resolve_timeout,

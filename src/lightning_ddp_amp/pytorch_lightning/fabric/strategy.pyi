@@ -1,0 +1,253 @@
+# Generated from ../../fabric/strategy.py by lightning_ddp_amp._namespaces.write_stubs(); never edit.
+"""EnvDDPStrategy for Lightning Fabric: the classic torchrun + DDP + apex recipe in a loop the script keeps.
+
+The recipe, and where each of its lines happens under ``Fabric(strategy="envddp", precision="apex-O1")``::
+
+    rank, local_rank, world_size = RANK, LOCAL_RANK, WORLD_SIZE   # Fabric(...): read_topology()
+    torch.cuda.set_device(local_rank)                             # fabric.launch(): pin the device
+    dist.init_process_group("nccl"); dist.barrier()               # fabric.launch(): join_or_start
+    model.cuda()                                                  # fabric.setup: Fabric moves the model
+    model, optimizer = amp.initialize(model, optimizer)           # fabric.setup: setup_module_and_optimizers
+    model = DDP(model, device_ids=[local_rank])                   # fabric.setup: setup_module, last
+    DataLoader(sampler=DistributedSampler(...))                   # fabric.setup_dataloaders
+    with amp.scale_loss(loss, optimizer) as s: s.backward()       # fabric.backward(loss)
+
+Topology, devices, the process group and the DDP options are the Trainer strategy's
+(:mod:`lightning_ddp_amp.pytorch_lightning.ddp.reconciler`, :mod:`lightning_ddp_amp.launch.process_group`,
+:mod:`lightning_ddp_amp.ddp.wrapper`); only Fabric's hooks are answered here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning_fabric import Fabric
+from lightning_fabric.accelerators.accelerator import Accelerator
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning_fabric.strategies.ddp import DDPStrategy
+from lightning_fabric.utilities import rank_zero_info
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddp_amp.pytorch_lightning import _lightning
+from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler
+from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, master_weights
+from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError, whole_number
+from lightning_ddp_amp.pytorch_lightning.fabric.precision import SETUP_MODELS, AmpPrecision
+from lightning_ddp_amp.launch.environment import started_by
+from lightning_ddp_amp.launch.process_group import group_line, join_or_start, resolve_timeout
+from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
+
+
+class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
+    """Fabric's DistributedDataParallel with the topology read from the launcher's environment.
+
+    ``Fabric(strategy="envddp")`` under ``torchrun`` (``torch.distributed.launch``, ``srun``, ``mpirun``, or a
+    ClusterEnvironment plugin): ``devices`` and ``num_nodes`` come from the launcher and ``fabric.launch()`` starts
+    nothing. Without a launcher, ``fabric.launch()`` starts ``devices=N`` ranks through torchrun, re-running the
+    script, as ``Trainer(strategy="envddp")`` does; with one device the script trains as one process, unwrapped.
+
+    Under apex (``precision="apex-O*"``) ``fabric.setup(model, optimizer)`` calls ``amp.initialize`` before the DDP
+    wrap; several models sharing an optimizer go through :func:`setup_models`.
+
+    Args:
+        accelerator: The accelerator; normally chosen by Fabric.
+        parallel_devices: One device per local rank, as in Fabric's ``ddp``; default: the launcher's.
+        cluster_environment: A Lightning ``ClusterEnvironment`` to read the ranks from instead of the launcher's
+            variables; the same as passing it in Fabric's ``plugins``.
+        checkpoint_io: How checkpoints are written; normally chosen by Fabric.
+        precision: The precision plugin; normally ``Fabric(precision=...)``'s.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on CUDA, gloo on CPU.
+        timeout: How long collectives, and the wait for all peers at start-up, may take. A ``timedelta`` or seconds.
+        find_unused_parameters: Passed to ``DistributedDataParallel``, as on the Trainer's envddp.
+        static_graph: Passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``; default True except under apex O2.
+        bucket_cap_mb: Passed to ``DistributedDataParallel``.
+        broadcast_buffers: Passed to ``DistributedDataParallel``.
+        ddp_impl: ``"torch"`` or ``"apex"`` (``apex.parallel.DistributedDataParallel``).
+        max_restarts: When ``fabric.launch()`` starts the ranks itself, how many times torchrun may restart them.
+        **ddp_kwargs: Any other ``DistributedDataParallel`` argument, passed through untouched.
+
+    Raises:
+        LauncherEnvironmentError: A launcher variable is missing, malformed or out of range.
+        StrategyConfigurationError: An argument is invalid.
+    """
+
+    strategy_name = "envddp"
+    #: The precision plugin connects (apex: ``amp.initialize``) before the DDP wrap; AmpPrecision asks for this.
+    connects_precision_before_wrap = True
+
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        find_unused_parameters: bool | None = None,
+        static_graph: bool | None = None,
+        gradient_as_bucket_view: bool | None = None,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool | None = None,
+        ddp_impl: Literal["torch", "apex"] = "torch",
+        max_restarts: int = 0,
+        **ddp_kwargs: Any,
+    ) -> None:
+        ...
+
+    def check_fabric_flags(self, devices: list[int] | str | int, num_nodes: int) -> None:
+        """Check Fabric's ``devices`` and ``num_nodes`` against the launcher, and the DDP options against the
+        precision plugin; called when Fabric is built (see :meth:`lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy.check_trainer_flags`).
+
+        Raises:
+            TopologyMismatchError: An explicit value contradicts the launcher.
+            StrategyConfigurationError: A DDP option the precision plugin cannot train with.
+        """
+        ...
+
+    def start_missing_ranks(self) -> None:
+        """No launcher started this process: start one rank per device through torchrun, or train alone
+        (:meth:`TopologyReconciler.start_missing_ranks <lightning_ddp_amp.pytorch_lightning.ddp.reconciler.TopologyReconciler.start_missing_ranks>`);
+        ``fabric.launch()`` calls this.
+
+        Raises:
+            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
+        """
+        ...
+
+    @override
+    def _configure_launcher(self) -> None:
+        ...
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        ...
+
+    @override
+    def _setup_distributed(self) -> None:
+        ...
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], *scheduler: Any
+    ) -> tuple[Any, ...]:
+        """``fabric.setup(model, optimizer)``: the precision plugin (``amp.initialize``) sees the model and the raw
+        optimizers, then the model is wrapped in DDP. ``scheduler`` is there on the Lightning releases that pass one.
+
+        Raises:
+            StrategyConfigurationError: A second model among the optimizers (``fabric.setup(model_a, model_b,
+                optimizer)``).
+        """
+        ...
+
+    def connect_precision(self, models: Sequence[Module], optimizers: Sequence[Optimizer], call: str) -> None:
+        """Hand the models, on their device, and their raw optimizers to the precision plugin before any DDP wrap:
+        where the recipe calls ``amp.initialize``."""
+        ...
+
+    @override
+    def setup_module(self, module: Module) -> Module:  # type: ignore[override]
+        """Wrap the model in DDP (torch's, or apex's with ``ddp_impl="apex"``); one rank trains it unwrapped.
+
+        Raises:
+            PrecisionConfigurationError: Under apex, a model that did not go through ``amp.initialize`` with its
+                optimizer (``fabric.setup_module(model)`` before ``fabric.setup_optimizers``).
+        """
+        ...
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Refuse, under apex, an optimizer that did not go through ``amp.initialize``.
+
+        Raises:
+            PrecisionConfigurationError: ``fabric.setup_optimizers(optimizer)`` after the models were set up alone.
+        """
+        ...
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """``fabric.clip_gradients(model, optimizer, max_norm=...)`` on the parameters the optimizer steps (apex
+        O2's fp32 masters). Under a dynamic loss scale a non-finite norm is an overflow whose step the scaler skips,
+        so it is returned (inf or nan), not raised."""
+        ...
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        ...
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        ...
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        ...
+
+
+class _StartMissingRanks:
+    """What ``fabric.launch()`` runs under envddp: with no launcher and several devices, this process becomes
+    torchrun's agent for the ranks (:meth:`TopologyReconciler.start_missing_ranks`); otherwise the function runs here.
+
+    It has the interface of Fabric's (private) ``_Launcher`` without deriving from it.
+    """
+
+    is_interactive_compatible = True
+
+    def __init__(self, strategy: EnvDDPStrategy) -> None:
+        ...
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        ...
+
+
+class _BackwardSync:
+    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` (torch's or apex's); nothing for an unwrapped model."""
+
+    def __init__(self, ddp: DDPOptions) -> None:
+        ...
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        ...
+
+
+def setup_models(fabric: Fabric, models: Sequence[Module], *optimizers: Optimizer) -> tuple[Any, ...]:
+    """Set up several models that share their optimizer(s): the recipe's
+    ``[model_a, model_b], optimizer = amp.initialize([model_a, model_b], optimizer)`` before each DDP wrap.
+
+    ``[model_a, model_b], optimizer = setup_models(fabric, [model_a, model_b], optimizer)``. Every model is moved to
+    the device, then handed with the raw optimizers to the precision plugin (one ``amp.initialize``), then set up
+    with ``fabric.setup_module`` (the DDP wrap), and the optimizers with ``fabric.setup_optimizers``. Under another
+    strategy it is those two Fabric calls.
+
+    Args:
+        fabric: The script's Fabric, launched.
+        models: The models, not yet set up.
+        *optimizers: Their optimizers, not yet set up.
+
+    Returns:
+        The list of set-up models, then each set-up optimizer.
+
+    Raises:
+        StrategyConfigurationError: ``models`` is not a non-empty sequence of modules, or no optimizer is given.
+    """
+    ...

@@ -1,0 +1,320 @@
+"""``Fabric(strategy="envddp", precision=...)``: the classic loop kept under Lightning Fabric.
+
+One process (no launcher: envddp trains alone, unwrapped) for what Fabric builds, refuses and does at each call, with
+the apex test double where apex is meant; two ranks for the classic script against its Fabric version."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from conftest import Preloaded, Torchrun, check, needs_cpu_fp16
+from lightning.fabric import Fabric
+from lightning.fabric.plugins import Precision
+from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+
+import lightning_ddp_amp
+from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
+from lightning_ddp_amp.fabric import AmpPrecision, EnvDDPStrategy, setup_models
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def fabric_for(precision: str, strategy: str = "envddp") -> Fabric:
+    fabric = Fabric(strategy=strategy, precision=precision, accelerator="cpu")  # type: ignore[arg-type]
+    fabric.launch()
+    return fabric
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_step(fabric: Fabric, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale: float = 1.0) -> None:
+    optimizer.zero_grad()
+    x = torch.randn(4, 8)
+    loss = model(x).float().pow(2).mean() * scale
+    fabric.backward(loss)
+    optimizer.step()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_apex_strings_build_envddp_with_apex(level: str, apex_double: ModuleType) -> None:
+    fabric = Fabric(strategy="envddp", precision=f"apex-{level}", accelerator="cpu")  # type: ignore[arg-type]
+    assert isinstance(fabric.strategy, EnvDDPStrategy)
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, AmpPrecision)
+    assert (plugin.backend, plugin.opt_level) == ("apex", level)
+
+
+@pytest.mark.parametrize("flag", ["native-O0", "native-O1", "native-O2", "native-O3", "amp-O1", "amp-O3"])
+def test_native_and_amp_strings_build_envddp_with_torch_amp(flag: str, no_apex: None) -> None:
+    fabric = Fabric(strategy="envddp", precision=flag, accelerator="cpu")  # type: ignore[arg-type]
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, AmpPrecision)
+    assert (plugin.backend, plugin.opt_level, plugin.flag) == ("native", flag[-2:], flag)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
+def test_lightnings_own_precisions_reach_fabric_unchanged(precision: str) -> None:
+    fabric = Fabric(strategy="envddp", precision=precision, accelerator="cpu")  # type: ignore[arg-type]
+    assert isinstance(fabric.strategy, EnvDDPStrategy)
+    assert type(fabric.strategy.precision).__module__.startswith("lightning.fabric")
+
+
+def test_an_invalid_precision_is_still_fabrics_to_refuse() -> None:
+    with pytest.raises(ValueError, match="Precision 'apex-O4' is invalid"):
+        Fabric(strategy="envddp", precision="apex-O4", accelerator="cpu")  # type: ignore[arg-type]
+
+
+def test_a_precision_string_beside_a_precision_plugin_is_refused(no_apex: None) -> None:
+    with pytest.raises(PrecisionConfigurationError, match=r"precision='native-O1'.*plugins also holds"):
+        Fabric(strategy="envddp", precision="native-O1", plugins=[Precision()], accelerator="cpu")  # type: ignore[arg-type]
+
+
+def test_the_plugin_instance_goes_in_plugins(no_apex: None) -> None:
+    plugin = AmpPrecision(opt_level="O2", backend="native")
+    fabric = Fabric(strategy="envddp", plugins=[plugin], accelerator="cpu")
+    assert fabric.strategy.precision is plugin
+
+
+def test_fabric_runs_envddp_as_one_process_without_a_launcher() -> None:
+    fabric = fabric_for("32-true")
+    assert (fabric.world_size, fabric.global_rank, fabric.strategy.num_nodes) == (1, 0, 1)
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    assert not isinstance(model.module, torch.nn.parallel.DistributedDataParallel)
+    train_step(fabric, model, optimizer)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "auto"])
+def test_an_apex_level_with_another_strategy_is_refused_at_fabric(strategy: str, apex_double: ModuleType) -> None:
+    # Fabric calls no precision hook with the optimizers: only envddp runs amp.initialize before the wrap.
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        Fabric(strategy=strategy, precision="apex-O1", accelerator="cpu")  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert "Fabric(precision='apex-O1')" in message
+    assert "amp.initialize" in message
+    assert "Fabric(strategy=\"envddp\", precision='apex-O1')" in message
+
+
+def test_amp_levels_with_another_strategy_run_on_torch_amp(apex_double: ModuleType) -> None:
+    fabric = Fabric(strategy="ddp", precision="amp-O1", accelerator="cpu", devices=1)  # type: ignore[arg-type]
+    assert isinstance(fabric.strategy, DDPStrategy) and not isinstance(fabric.strategy, EnvDDPStrategy)
+    assert fabric.strategy.precision.backend == "native"  # type: ignore[attr-defined]
+
+
+def test_native_levels_run_with_single_device_fabric(no_apex: None) -> None:
+    fabric = Fabric(precision="native-O1", accelerator="cpu")  # type: ignore[arg-type]
+    assert isinstance(fabric.strategy, SingleDeviceStrategy)
+    assert isinstance(fabric.strategy.precision, AmpPrecision)
+
+
+def test_two_models_and_an_optimizer_in_one_setup_are_refused(no_apex: None) -> None:
+    fabric = fabric_for("32-true")
+    model_a, model_b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
+    with pytest.raises(StrategyConfigurationError) as raised:
+        fabric.setup(model_a, model_b, optimizer)
+    message = str(raised.value)
+    assert "fabric.setup='(Linear, Linear, SGD)'" in message
+    assert "Linear would be treated as an optimizer" in message
+    assert "setup_models(fabric, [model_a, model_b], optimizer)" in message
+
+
+@needs_cpu_fp16
+def test_setup_runs_amp_initialize_on_the_model_and_the_raw_optimizer(apex_double: ModuleType) -> None:
+    fabric = fabric_for("apex-O2")
+    model, optimizer = model_and_optimizer()
+    model, fabric_optimizer = fabric.setup(model, optimizer)
+    assert {param.dtype for param in model.parameters()} == {torch.float16}  # cast by amp.initialize (O2)
+    assert hasattr(optimizer, "_amp_stash") and fabric_optimizer.optimizer is optimizer
+    masters = list(apex_double.master_params(optimizer))
+    assert {master.dtype for master in masters} == {torch.float32}
+
+
+def test_setup_module_before_the_optimizer_under_apex_is_refused(apex_double: ModuleType) -> None:
+    fabric = fabric_for("apex-O1")
+    model, _ = model_and_optimizer()
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        fabric.setup_module(model)
+    message = str(raised.value)
+    assert "fabric.setup_module='Sequential'" in message
+    assert "amp.initialize needs the model together with its optimizer" in message
+    assert "fabric.setup(model, optimizer)" in message
+
+
+@needs_cpu_fp16
+def test_an_optimizer_set_up_apart_from_its_models_under_apex_is_refused(apex_double: ModuleType) -> None:
+    fabric = fabric_for("apex-O1")
+    model, optimizer = model_and_optimizer()
+    fabric.setup(model, optimizer)
+    _, other = model_and_optimizer()
+    with pytest.raises(PrecisionConfigurationError, match=r"fabric\.setup_optimizers='SGD'.*amp\.initialize together"):
+        fabric.setup_optimizers(other)
+
+
+@needs_cpu_fp16
+def test_a_second_setup_under_apex_is_refused(apex_double: ModuleType) -> None:
+    fabric = fabric_for("apex-O1")
+    fabric.setup(*model_and_optimizer())
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        fabric.setup(*model_and_optimizer())
+    message = str(raised.value)
+    assert "call='fabric.setup(model, optimizer)'" in message
+    assert "apex supports one amp.initialize per process" in message
+    assert "setup_models(fabric, [model_a, model_b], optimizer)" in message
+
+
+@needs_cpu_fp16
+def test_setup_models_initializes_every_model_with_the_shared_optimizer_once(apex_double: ModuleType) -> None:
+    fabric = fabric_for("apex-O2")
+    model_a, model_b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
+    [set_a, set_b], fabric_optimizer = setup_models(fabric, [model_a, model_b], optimizer)
+    assert set_a.module is model_a and set_b.module is model_b
+    assert model_a.weight.dtype == model_b.weight.dtype == torch.float16
+    assert len(list(apex_double.master_params(optimizer))) == 4
+    fabric_optimizer.zero_grad()
+    fabric.backward(set_b(set_a(torch.randn(2, 8))).float().sum())
+    fabric_optimizer.step()
+
+
+@pytest.mark.parametrize("models", [[], ["not a module"]])
+def test_setup_models_needs_a_list_of_modules(models: list[object], no_apex: None) -> None:
+    fabric = fabric_for("native-O1")
+    with pytest.raises(StrategyConfigurationError, match=r"setup_models takes a list of torch\.nn\.Module"):
+        setup_models(fabric, models, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))  # type: ignore[arg-type]
+
+
+def test_setup_models_needs_the_shared_optimizer(no_apex: None) -> None:
+    fabric = fabric_for("native-O1")
+    with pytest.raises(StrategyConfigurationError, match="optimizers='none'"):
+        setup_models(fabric, [torch.nn.Linear(1, 1)])
+
+
+@needs_cpu_fp16
+def test_zero_grad_of_fabrics_optimizer_is_apex_o2s(apex_double: ModuleType) -> None:
+    # Fabric's wrapper finds torch's zero_grad on the class before apex's patch on the instance: torch's would drop
+    # only the fp32 masters' gradients, and the fp16 model gradients would accumulate into the next step.
+    fabric = fabric_for("apex-O2")
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    fabric.backward(model(torch.randn(4, 8)).float().pow(2).mean())
+    assert any(param.grad.abs().sum() > 0 for param in model.parameters())
+    optimizer.zero_grad()
+    assert all(param.grad is None or param.grad.abs().sum() == 0 for param in model.parameters())
+    with pytest.raises(PrecisionConfigurationError, match="set_to_none"):
+        optimizer.zero_grad(set_to_none=True)
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_skips_the_step_and_clipping_returns_the_norm_instead_of_raising(
+    level: str, apex_double: ModuleType
+) -> None:
+    fabric = fabric_for(f"apex-{level}")
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, AmpPrecision)
+    before = [param.detach().clone() for param in model.parameters()]
+    scale = plugin.current_loss_scale
+    optimizer.zero_grad()
+    fabric.backward(model(torch.randn(4, 8)).float().sum() * 1e30)  # fp16 gradients overflow at any loss scale
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)  # Fabric's default error_if_nonfinite=True
+    if level == "O1":  # the gradients clipped are the model's own, inf; apex O2 unscales into the masters
+        assert not math.isfinite(float(norm))
+    optimizer.step()
+    assert plugin.step_skipped(optimizer)
+    assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before, strict=True))
+    assert plugin.current_loss_scale == scale / 2
+    train_step(fabric, model, optimizer)  # the next step runs
+    assert not plugin.step_skipped(optimizer)
+    assert not all(torch.equal(param, old) for param, old in zip(model.parameters(), before, strict=True))
+
+
+@needs_cpu_fp16
+def test_clipping_under_apex_o2_clips_the_fp32_masters(apex_double: ModuleType) -> None:
+    fabric = fabric_for("apex-O2")
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    optimizer.zero_grad()
+    # A small loss: its gradients times apex's first loss scale (2**16) stay within float16.
+    fabric.backward(model(torch.randn(4, 8)).float().pow(2).mean() * 1e-3)
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1e-5)
+    assert math.isfinite(float(norm)) and float(norm) > 1e-5  # no overflow, and a norm to clip
+    masters = list(apex_double.master_params(optimizer.optimizer))
+    assert {master.dtype for master in masters} == {torch.float32}
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
+    assert total.item() == pytest.approx(float(norm) * 1e-5 / (float(norm) + 1e-6), rel=1e-4)  # torch's clip
+
+
+@needs_cpu_fp16
+def test_save_and_load_carry_the_loss_scale_and_apex_o2s_fp32_masters(apex_double: ModuleType, tmp_path: Path) -> None:
+    fabric = fabric_for("apex-O2")
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    train_step(fabric, model, optimizer)
+    plugin = fabric.strategy.precision
+    state = {"model": model, "optimizer": optimizer, "amp": plugin}
+    fabric.save(tmp_path / "state.pt", state)
+    masters = [master.detach().clone() for master in apex_double.master_params(optimizer.optimizer)]
+    scale = plugin.current_loss_scale  # type: ignore[attr-defined]
+    train_step(fabric, model, optimizer, scale=1e30)  # an overflow: the loss scale halves
+    train_step(fabric, model, optimizer)
+    assert plugin.current_loss_scale != scale  # type: ignore[attr-defined]
+    fabric.load(tmp_path / "state.pt", state)
+    assert plugin.current_loss_scale == scale  # type: ignore[attr-defined]
+    restored = list(apex_double.master_params(optimizer.optimizer))
+    assert all(torch.equal(a, b) for a, b in zip(restored, masters, strict=True))
+
+
+def test_a_state_not_written_by_amp_precision_is_refused(no_apex: None) -> None:
+    plugin = AmpPrecision(opt_level="O1", backend="native")
+    with pytest.raises(PrecisionConfigurationError, match="it was not written by AmpPrecision"):
+        plugin.load_state_dict({"scaler": {}})
+
+
+def test_a_loss_id_beyond_num_losses_is_refused(no_apex: None) -> None:
+    fabric = fabric_for("native-O0")
+    model, _ = fabric.setup(*model_and_optimizer())
+    with pytest.raises(PrecisionConfigurationError, match=r"loss_id=1.*num_losses=1"):
+        fabric.backward(model(torch.randn(2, 8)).sum(), loss_id=1)
+
+
+def test_num_nodes_against_the_launcher_is_checked_at_fabric() -> None:
+    with pytest.raises(lightning_ddp_amp.TopologyMismatchError, match="drop num_nodes from the Fabric"):
+        Fabric(strategy="envddp", accelerator="cpu", num_nodes=2)
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    ("level", "precision"), [("O0", "32-true"), ("O1", "apex-O1"), ("O2", "apex-O2"), ("O3", "apex-O3")]
+)
+def test_the_fabric_script_ends_in_the_classic_scripts_weights(
+    level: str, precision: str, torchrun: Torchrun, preloaded: Preloaded, tmp_path: Path
+) -> None:
+    # examples/classic/train.py (DDP, DistributedSampler and amp.scale_loss by hand, with the apex test double on CPU
+    # ranks) against examples/fabric/train.py, the same loop under Fabric(strategy="envddp", precision=...), on 2
+    # ranks. apex O0 is fp32 with a loss scale of 1, so the classic O0 run is the fp32 reference for "32-true".
+    classic, kept = tmp_path / "classic.pt", tmp_path / "fabric.pt"
+    check(
+        torchrun.run(
+            str(EXAMPLES / "classic" / "train.py"), "--opt-level", level, "--checkpoint", str(classic), apex_double=True
+        )
+    )
+    script = str(EXAMPLES / "fabric" / "train.py")
+    result = preloaded.run(script, "--precision", precision, "--checkpoint", str(kept), log=tmp_path / "logs").check()
+    assert "epoch 1: loss" in result.stdout
+    before, after = torch.load(classic, weights_only=False), torch.load(kept, weights_only=False)
+    for model in ("model_a", "model_b"):
+        assert before[model].keys() == after[model].keys()
+        for name, value in before[model].items():
+            assert (after[model][name].float() - value.float()).abs().max().item() == 0.0, f"{model}.{name}"
+    if precision.startswith("apex"):
+        assert after["amp"]["loss_scalers"] == [before["amp"]["loss_scaler0"]]
+    torch.manual_seed(0)
+    torch.randn(1024, 32)
+    initial = torch.nn.Linear(32, 128).weight
+    assert (initial - after["model_a"]["layers.0.weight"].float()).abs().max() > 1e-3
