@@ -48,14 +48,16 @@ def ddp_built_by(strategy: EnvDDPStrategy) -> DistributedDataParallel:
     return strategy.model
 
 
-@pytest.mark.parametrize(("precision", "bucket_view"), [("apex-O1", True), ("apex-O2", False), ("apex-O3", True)])
-def test_gradients_are_bucket_views_unless_apex_keeps_master_weights(
-    apex_double: ModuleType, one_rank_group: None, precision: str, bucket_view: bool
+@pytest.mark.parametrize("precision", ["apex-O0", "apex-O1", "apex-O2", "apex-O3"])
+def test_gradients_are_no_bucket_views_under_apex_which_holds_them_itself(
+    apex_double: ModuleType, one_rank_group: None, precision: str
 ) -> None:
+    # O0/O1/O3 stash the gradients around each amp.scale_loss (accumulation), O2's zero_grad detaches them in place:
+    # bucket views would alias the stash, or refuse the detach. tests/test_fabric.py's accumulation shows the first.
     strategy = trainer(strategy="envddp", precision=precision).strategy
     assert isinstance(strategy, EnvDDPStrategy)
-    assert strategy.ddp_options.get("gradient_as_bucket_view", False) is bucket_view
-    assert ddp_built_by(strategy).gradient_as_bucket_view is bucket_view
+    assert "gradient_as_bucket_view" not in strategy.ddp_options
+    assert ddp_built_by(strategy).gradient_as_bucket_view is False
 
 
 def test_native_amp_keeps_bucket_views(no_apex: None, one_rank_group: None) -> None:

@@ -8,6 +8,7 @@ test double (tests/doubles), and check that the migrated script ends in the same
 """
 
 import argparse
+import contextlib
 import gc
 import os
 
@@ -43,6 +44,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--checkpoint", default="checkpoint.pt")
+    parser.add_argument("--resume", default="", help="a checkpoint this script saved")
+    parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
+    parser.add_argument("--clip", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    parser.add_argument("--bad-batch", type=int, default=-1, help="the batch (counted over epochs) fed an inf")
     args = parser.parse_args()
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -67,21 +72,38 @@ def main() -> None:
     device_ids = [local_rank] if device.type == "cuda" else None
     model_a, model_b = DDP(model_a, device_ids=device_ids), DDP(model_b, device_ids=device_ids)
 
-    for epoch in range(args.epochs):
+    start = 0
+    if args.resume:
+        checkpoint = torch.load(args.resume, map_location=device, weights_only=True)
+        model_a.module.load_state_dict(checkpoint["model_a"])
+        model_b.module.load_state_dict(checkpoint["model_b"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+        start = checkpoint["epoch"] + 1
+
+    for epoch in range(start, args.epochs):
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for step, (x, y) in enumerate(loader):
             x, y = x.to(device), y.to(device)
-            optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model_b(model_a(x)).float(), y)
-            with amp.scale_loss(loss, optimizer) as scaled_loss:
-                scaled_loss.backward()
-            optimizer.step()
+            if epoch * len(loader) + step == args.bad_batch:
+                x[0, 0] = float("inf")  # apex skips the step its gradients overflow in
+            syncing = (step + 1) % args.accumulate == 0
+            with contextlib.ExitStack() as stack:
+                for model in (model_a, model_b) if not syncing else ():
+                    stack.enter_context(model.no_sync())
+                loss = torch.nn.functional.cross_entropy(model_b(model_a(x)).float(), y) / args.accumulate
+                with amp.scale_loss(loss, optimizer, delay_unscale=not syncing) as scaled_loss:
+                    scaled_loss.backward()
+            if syncing:
+                if args.clip:
+                    torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), args.clip)
+                optimizer.step()
+                optimizer.zero_grad()
         if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.4f}")
-
-    if rank == 0:
-        state = {"model_a": model_a.module.state_dict(), "model_b": model_b.module.state_dict()}
-        torch.save({**state, "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}, args.checkpoint)
+            state = {"model_a": model_a.module.state_dict(), "model_b": model_b.module.state_dict()}
+            state |= {"optimizer": optimizer.state_dict(), "amp": amp.state_dict(), "epoch": epoch}
+            torch.save(state, args.checkpoint)
     # Let go of everything that holds the last collectives (the DDP models, the loss's graph, the optimizer) while
     # the interpreter is still alive: a gloo worker that frees one after Python began to exit aborts the process.
     del model_a, model_b, loss, scaled_loss, optimizer

@@ -8,6 +8,7 @@ classic script's weights.
 """
 
 import argparse
+import contextlib
 
 import torch
 from lightning.fabric import Fabric
@@ -40,6 +41,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--checkpoint", default="checkpoint.pt")
+    parser.add_argument("--resume", default="", help="a checkpoint this script saved")
+    parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
+    parser.add_argument("--clip", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    parser.add_argument("--bad-batch", type=int, default=-1, help="the batch (counted over epochs) fed an inf")
     args = parser.parse_args()
 
     fabric = Fabric(strategy="envddp", precision=args.precision)
@@ -55,16 +60,30 @@ def main() -> None:
     optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=args.lr)
     [model_a, model_b], optimizer = setup_models(fabric, [model_a, model_b], optimizer)
 
-    for epoch in range(args.epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model_b(model_a(x)).float(), y)
-            fabric.backward(loss)
-            optimizer.step()
-        fabric.print(f"epoch {epoch}: loss {loss.item():.4f}")
-
     state = {"model_a": model_a, "model_b": model_b, "optimizer": optimizer, "amp": fabric.strategy.precision}
-    fabric.save(args.checkpoint, state)
+    state["epoch"] = -1
+    if args.resume:
+        fabric.load(args.resume, state)
+
+    for epoch in range(state["epoch"] + 1, args.epochs):
+        loader.sampler.set_epoch(epoch)
+        for step, (x, y) in enumerate(loader):
+            if epoch * len(loader) + step == args.bad_batch:
+                x[0, 0] = float("inf")  # apex skips the step its gradients overflow in
+            syncing = (step + 1) % args.accumulate == 0
+            with contextlib.ExitStack() as stack:
+                for model in (model_a, model_b) if not syncing else ():
+                    stack.enter_context(fabric.no_backward_sync(model))
+                loss = torch.nn.functional.cross_entropy(model_b(model_a(x)).float(), y) / args.accumulate
+                fabric.backward(loss)
+            if syncing:
+                if args.clip:
+                    fabric.clip_gradients(model_a, optimizer, max_norm=args.clip)
+                optimizer.step()
+                optimizer.zero_grad()
+        fabric.print(f"epoch {epoch}: loss {loss.item():.4f}")
+        state["epoch"] = epoch
+        fabric.save(args.checkpoint, state)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from lightning_ddp_amp.ddp.wrapper import (
     DDPOptions,
     check_comm_hook_backend,
     check_precision_plugin,
-    master_weights,
+    holds_gradients,
     register_comm_hook,
     resolve_comm_hook,
 )
@@ -107,8 +107,8 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
-            a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
-            place): there False, and True is an error.
+            apex amp, which holds the model's gradients itself (:data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS`):
+            there False, and under apex O2 True is an error.
         bucket_cap_mb: Passed to ``DistributedDataParallel``.
         broadcast_buffers: Passed to ``DistributedDataParallel``.
         ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.
@@ -303,14 +303,14 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     def ddp_options(self) -> dict[str, Any]:
         """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
         defaults (:data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS`) decided against the precision plugin."""
-        return self._ddp.to_kwargs(master_weights(self.precision_plugin))
+        return self._ddp.to_kwargs(holds_gradients(self.precision_plugin))
 
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
         self._ddp_kwargs = self.ddp_options
-        if master_weights(self.precision_plugin):
-            for name, reason in self._ddp.kept_for_master_weights().items():
+        if holds_gradients(self.precision_plugin):
+            for name, reason in self._ddp.kept_under_apex().items():
                 log_once(f"envddp: {name} stays off under {self.precision_plugin}: {reason}")
         self.model = self._setup_model(self.model)
         self._register_ddp_hooks()

@@ -48,13 +48,13 @@ class Deviation:
     Attributes:
         value: envddp's default.
         reason: Why it differs from torch's.
-        not_with_master_weights: Why torch's default stays under a precision plugin with fp32 master weights (apex
-            O2); None when the deviation holds there too.
+        not_under_apex: Why torch's default stays under apex amp, whose loss scaling holds the model's gradients
+            itself; None when the deviation holds there too.
     """
 
     value: Any
     reason: str
-    not_with_master_weights: str | None = None
+    not_under_apex: str | None = None
 
 
 #: Where envddp's defaults differ from torch's, and why. An option the user sets always wins.
@@ -63,8 +63,11 @@ DEVIATIONS: dict[str, Deviation] = {
         value=True,
         reason="gradients live in DDP's communication buckets instead of being copied into them: faster, less"
         " memory, the same numerics (benchmarks/)",
-        not_with_master_weights="apex's optimizer.zero_grad() detaches every model gradient in place"
-        " (param.grad.detach_()), which torch refuses on DDP's bucket views (\"Can't detach views in-place\")",
+        not_under_apex="apex holds the model's gradients itself: under O0, O1 and O3 each amp.scale_loss stashes the"
+        " gradients accumulated so far and adds them back after the backward, and on bucket views the next synchronised"
+        " backward overwrites the stash (accumulation under no_sync would lose its earlier micro-batches); under O2"
+        " optimizer.zero_grad() detaches every model gradient in place (param.grad.detach_()), which torch refuses on"
+        " DDP's bucket views (\"Can't detach views in-place\")",
     ),
 }
 
@@ -95,40 +98,40 @@ class DDPOptions:
         _check_ddp_kwargs(self.apex.wrapper if self.apex else DistributedDataParallel, extra)
         self.extra = extra
 
-    def to_kwargs(self, master_weights: bool) -> dict[str, Any]:
+    def to_kwargs(self, apex_amp: bool) -> dict[str, Any]:
         """What the wrapper receives: the options that differ from torch's defaults, envddp's deviations included.
 
         Args:
-            master_weights: Whether the precision plugin keeps fp32 master weights (apex O2).
+            apex_amp: Whether the precision plugin runs apex amp (:func:`holds_gradients`).
         """
         if self.apex is not None:
             return dict(self.extra)
-        options = {**self.deviations(master_weights), **self.given}
+        options = {**self.deviations(apex_amp), **self.given}
         changed = {name: value for name, value in options.items() if value != TORCH_DEFAULTS[name]}
         return {**changed, **self.extra}
 
-    def deviations(self, master_weights: bool) -> dict[str, Any]:
+    def deviations(self, apex_amp: bool) -> dict[str, Any]:
         """envddp's defaults that apply under this precision plugin, for options the user left unset."""
         return {
             name: deviation.value
             for name, deviation in DEVIATIONS.items()
-            if name not in self.given and not (master_weights and deviation.not_with_master_weights)
+            if name not in self.given and not (apex_amp and deviation.not_under_apex)
         }
 
-    def kept_for_master_weights(self) -> dict[str, str]:
-        """The options left at torch's default under fp32 master weights, with the reason (for the log)."""
+    def kept_under_apex(self) -> dict[str, str]:
+        """The options left at torch's default under apex amp, with the reason (for the log)."""
         return {
-            name: deviation.not_with_master_weights
+            name: deviation.not_under_apex
             for name, deviation in DEVIATIONS.items()
-            if self.apex is None and name not in self.given and deviation.not_with_master_weights
+            if self.apex is None and name not in self.given and deviation.not_under_apex
         }
 
     def refused_with_master_weights(self) -> dict[str, str]:
-        """Options the user set to a deviation that fp32 master weights rule out, with the reason."""
+        """Options the user set to a deviation that apex O2's fp32 master weights rule out, with the reason."""
         return {
-            name: deviation.not_with_master_weights
+            name: deviation.not_under_apex
             for name, deviation in DEVIATIONS.items()
-            if self.apex is None and self.given.get(name) == deviation.value and deviation.not_with_master_weights
+            if self.apex is None and self.given.get(name) == deviation.value and deviation.not_under_apex
         }
 
 
@@ -307,6 +310,12 @@ def check_precision_plugin(
 def master_weights(plugin: object) -> bool:
     """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
     return bool(getattr(plugin, "master_weights", False))
+
+
+def holds_gradients(plugin: object) -> bool:
+    """Whether ``plugin`` runs apex amp, whose loss scaling holds references to the model's gradients across
+    backward passes (AmpPrecision's ``backend == "apex"``); asked of any precision plugin."""
+    return getattr(plugin, "backend", None) == "apex"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

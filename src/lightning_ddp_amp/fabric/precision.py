@@ -90,6 +90,7 @@ class AmpPrecision(Precision):
         self._connected: list[Module] = []
         self._optimizers: list[Optimizer] = []
         self._unscaled: set[int] = set()
+        self._accumulating = 0
         self._skipped: dict[int, bool] = {}
 
     def __repr__(self) -> str:
@@ -193,6 +194,15 @@ class AmpPrecision(Precision):
         """Whether the model or optimizer ``item`` went through :meth:`connect`."""
         return any(item is known for known in (*self._connected, *self._optimizers))
 
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """While the script accumulates (``fabric.no_backward_sync``): backward keeps apex's gradients scaled."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
     @override
     def convert_input(self, data: Any) -> Any:
         return self.amp_backend.convert_input(data)
@@ -211,7 +221,7 @@ class AmpPrecision(Precision):
         *args: Any,
         loss_id: int = 0,
         optimizers: Optimizer | Sequence[Optimizer] | None = None,
-        delay_unscale: bool = False,
+        delay_unscale: bool | None = None,
         **kwargs: Any,
     ) -> None:
         """``fabric.backward(loss)``: backward on the scaled loss, inside ``amp.scale_loss`` for apex.
@@ -223,7 +233,8 @@ class AmpPrecision(Precision):
             loss_id: Which loss scaler scales this loss (``num_losses=2`` gives a second loss its own).
             optimizers: The optimizers whose parameters the loss reaches, as handed to ``amp.scale_loss`` (Fabric's
                 or the raw ones). Default: every optimizer set up.
-            delay_unscale: Keep apex from unscaling (apex's option for accumulation; never needed for correctness).
+            delay_unscale: Keep apex from unscaling, as apex's accumulation recipe does on the micro-batches that do
+                not step. Default: inside ``fabric.no_backward_sync(model)``, else not (the micro-batch that steps).
             **kwargs: Passed on to ``Tensor.backward``.
 
         Raises:
@@ -247,6 +258,8 @@ class AmpPrecision(Precision):
         def run_backward(scaled: Tensor) -> None:
             scaled.backward(*args, **kwargs)  # type: ignore[no-untyped-call]
 
+        if delay_unscale is None:
+            delay_unscale = self._accumulating > 0
         self.amp_backend.backward(tensor, chosen, run_backward, loss_id, delay_unscale)
 
     @override

@@ -19,7 +19,7 @@ Topology, devices, the process group and the DDP options are the Trainer strateg
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -34,12 +34,14 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler
-from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, master_weights
+from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError, whole_number
+from lightning_ddp_amp.fabric.data import keep_script_epoch
 from lightning_ddp_amp.fabric.precision import SETUP_MODELS, AmpPrecision
 from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import group_line, join_or_start, resolve_timeout
@@ -68,7 +70,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         timeout: How long collectives, and the wait for all peers at start-up, may take. A ``timedelta`` or seconds.
         find_unused_parameters: Passed to ``DistributedDataParallel``, as on the Trainer's envddp.
         static_graph: Passed to ``DistributedDataParallel``.
-        gradient_as_bucket_view: Passed to ``DistributedDataParallel``; default True except under apex O2.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``; default True except under apex amp.
         bucket_cap_mb: Passed to ``DistributedDataParallel``.
         broadcast_buffers: Passed to ``DistributedDataParallel``.
         ddp_impl: ``"torch"`` or ``"apex"`` (``apex.parallel.DistributedDataParallel``).
@@ -130,7 +132,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=self.timeout,
         )
-        self._backward_sync_control = _BackwardSync(self._ddp)  # type: ignore[assignment]
+        self._backward_sync_control = _BackwardSync(self._ddp, lambda: self.precision)  # type: ignore[assignment]
         if accelerator is not None:
             self._reconciler.use_launcher_unless_given()
 
@@ -163,6 +165,13 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.topology.world_size, "rank": self.topology.rank}
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader[Any]) -> DataLoader[Any]:
+        """``fabric.setup_dataloaders``: the distributed sampler Fabric put in keeps the epoch the script sets, so a
+        resumed run shuffles as the classic resume (:mod:`lightning_ddp_amp.fabric.data`)."""
+        keep_script_epoch(dataloader)
+        return dataloader
 
     @override
     def _setup_distributed(self) -> None:
@@ -231,7 +240,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             )
         if not self.topology.is_distributed:
             return module
-        self._ddp_kwargs = self._ddp.to_kwargs(master_weights(plugin))
+        self._ddp_kwargs = self._ddp.to_kwargs(holds_gradients(plugin))
         if self._ddp.apex is not None:
             return self._ddp.apex.wrap(module, self._ddp_kwargs)  # type: ignore[no-any-return]
         return super().setup_module(module)
@@ -314,19 +323,28 @@ class _StartMissingRanks:
 
 
 class _BackwardSync:
-    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` (torch's or apex's); nothing for an unwrapped model."""
+    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` (torch's or apex's; nothing for an unwrapped model), during
+    which AmpPrecision's backward keeps apex's gradients scaled (``delay_unscale``), as apex's accumulation recipe does.
+    """
 
-    def __init__(self, ddp: DDPOptions) -> None:
+    def __init__(self, ddp: DDPOptions, precision: Callable[[], object]) -> None:
         self._ddp = ddp
+        self._precision = precision
 
-    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: Module, enabled: bool) -> Iterator[None]:
         if not enabled:
-            return contextlib.nullcontext()
-        if self._ddp.apex is not None and self._ddp.apex.wraps(module):
-            return self._ddp.apex.no_sync(module)
-        if isinstance(module, DistributedDataParallel):
-            return module.no_sync()
-        return contextlib.nullcontext()
+            yield
+            return
+        plugin = self._precision()
+        with contextlib.ExitStack() as stack:
+            if self._ddp.apex is not None and self._ddp.apex.wraps(module):
+                stack.enter_context(self._ddp.apex.no_sync(module))
+            elif isinstance(module, DistributedDataParallel):
+                stack.enter_context(module.no_sync())
+            if isinstance(plugin, AmpPrecision):
+                stack.enter_context(plugin.accumulating())
+            yield
 
 
 def setup_models(fabric: Fabric, models: Sequence[Module], *optimizers: Optimizer) -> tuple[Any, ...]:

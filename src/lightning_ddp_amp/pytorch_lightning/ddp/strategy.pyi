@@ -59,7 +59,7 @@ from lightning_ddp_amp.ddp.wrapper import (
     DDPOptions,
     check_comm_hook_backend,
     check_precision_plugin,
-    master_weights,
+    holds_gradients,
     register_comm_hook,
     resolve_comm_hook,
 )
@@ -108,8 +108,8 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             the default, which is torch's except where :data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS` says why not.
         static_graph: Passed to ``DistributedDataParallel``.
         gradient_as_bucket_view: Passed to ``DistributedDataParallel``. Default: True, unlike torch's, except under
-            a precision plugin with fp32 master weights (apex O2, whose ``zero_grad`` detaches ``param.grad`` in
-            place): there False, and True is an error.
+            apex amp, which holds the model's gradients itself (:data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS`):
+            there False, and under apex O2 True is an error.
         bucket_cap_mb: Passed to ``DistributedDataParallel``.
         broadcast_buffers: Passed to ``DistributedDataParallel``.
         ddp_comm_hook: A DDP communication hook, or ``"fp16"`` / ``"bf16"`` for gradient compression.

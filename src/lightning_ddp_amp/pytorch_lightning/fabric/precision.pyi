@@ -129,6 +129,11 @@ class AmpPrecision(Precision):
         """Whether the model or optimizer ``item`` went through :meth:`connect`."""
         ...
 
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """While the script accumulates (``fabric.no_backward_sync``): backward keeps apex's gradients scaled."""
+        ...
+
     @override
     def convert_input(self, data: Any) -> Any:
         ...
@@ -146,7 +151,7 @@ class AmpPrecision(Precision):
         *args: Any,
         loss_id: int = 0,
         optimizers: Optimizer | Sequence[Optimizer] | None = None,
-        delay_unscale: bool = False,
+        delay_unscale: bool | None = None,
         **kwargs: Any,
     ) -> None:
         """``fabric.backward(loss)``: backward on the scaled loss, inside ``amp.scale_loss`` for apex.
@@ -158,7 +163,8 @@ class AmpPrecision(Precision):
             loss_id: Which loss scaler scales this loss (``num_losses=2`` gives a second loss its own).
             optimizers: The optimizers whose parameters the loss reaches, as handed to ``amp.scale_loss`` (Fabric's
                 or the raw ones). Default: every optimizer set up.
-            delay_unscale: Keep apex from unscaling (apex's option for accumulation; never needed for correctness).
+            delay_unscale: Keep apex from unscaling, as apex's accumulation recipe does on the micro-batches that do
+                not step. Default: inside ``fabric.no_backward_sync(model)``, else not (the micro-batch that steps).
             **kwargs: Passed on to ``Tensor.backward``.
 
         Raises:

@@ -20,7 +20,7 @@ Topology, devices, the process group and the DDP options are the Trainer strateg
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -35,12 +35,14 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler
-from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, master_weights
+from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError, whole_number
+from lightning_ddp_amp.fabric.data import keep_script_epoch
 from lightning_ddp_amp.pytorch_lightning.fabric.precision import SETUP_MODELS, AmpPrecision
 from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import group_line, join_or_start, resolve_timeout
@@ -69,7 +71,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         timeout: How long collectives, and the wait for all peers at start-up, may take. A ``timedelta`` or seconds.
         find_unused_parameters: Passed to ``DistributedDataParallel``, as on the Trainer's envddp.
         static_graph: Passed to ``DistributedDataParallel``.
-        gradient_as_bucket_view: Passed to ``DistributedDataParallel``; default True except under apex O2.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``; default True except under apex amp.
         bucket_cap_mb: Passed to ``DistributedDataParallel``.
         broadcast_buffers: Passed to ``DistributedDataParallel``.
         ddp_impl: ``"torch"`` or ``"apex"`` (``apex.parallel.DistributedDataParallel``).
@@ -133,6 +135,12 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        ...
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader[Any]) -> DataLoader[Any]:
+        """``fabric.setup_dataloaders``: the distributed sampler Fabric put in keeps the epoch the script sets, so a
+        resumed run shuffles as the classic resume (:mod:`lightning_ddp_amp.fabric.data`)."""
         ...
 
     @override
@@ -221,12 +229,15 @@ class _StartMissingRanks:
 
 
 class _BackwardSync:
-    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` (torch's or apex's); nothing for an unwrapped model."""
+    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` (torch's or apex's; nothing for an unwrapped model), during
+    which AmpPrecision's backward keeps apex's gradients scaled (``delay_unscale``), as apex's accumulation recipe does.
+    """
 
-    def __init__(self, ddp: DDPOptions) -> None:
+    def __init__(self, ddp: DDPOptions, precision: Callable[[], object]) -> None:
         ...
 
-    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: Module, enabled: bool) -> Iterator[None]:
         ...
 
 
