@@ -335,3 +335,16 @@ def test_the_fabric_script_ends_in_the_classic_scripts_weights(
     torch.randn(1024, 32)
     initial = torch.nn.Linear(32, 128).weight
     assert (initial - after["model_a"]["layers.0.weight"].float()).abs().max() > 1e-3
+
+
+def test_the_readmes_fabric_diff_is_lines_of_the_two_example_files() -> None:
+    # The README's front-page diff (a fragment) cannot drift from the files it shows; its comments are the README's.
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Keeping the loop: Lightning Fabric", 1)[1].split("```diff\n", 1)[1].split("```", 1)[0]
+    classic = (EXAMPLES / "classic" / "train.py").read_text().splitlines()
+    kept = (EXAMPLES / "fabric" / "train.py").read_text().splitlines()
+    added = [line[1:].split("  # ")[0] for line in section.splitlines() if line.startswith("+")]
+    removed = [line[1:].split("  # ")[0] for line in section.splitlines() if line.startswith("-")]
+    assert [line for line in added if line not in kept] == []
+    assert [line for line in removed if line not in classic] == []
+    assert len(added) <= 12
