@@ -288,15 +288,23 @@ def test_num_nodes_against_the_launcher_is_checked_at_fabric() -> None:
         Fabric(strategy="envddp", accelerator="cpu", num_nodes=2)
 
 
-#: The classic script's apex level, the Fabric script's precision, and the special cases both loops run: gradient
-#: accumulation (DDP's no_sync, apex's delay_unscale), clipping, and under apex's dynamic loss scale (O1, O2) an inf
-#: batch whose step is skipped on overflow.
+#: The reference loop (the classic script at an apex level, or the same loop with torch's AMP by hand), the Fabric
+#: script's precision, and the special cases both loops run: gradient accumulation (DDP's no_sync, apex's
+#: delay_unscale), clipping, and under a dynamic loss scale an inf batch whose step is skipped on overflow.
+CLASSIC = ["examples/classic/train.py", "--opt-level"]
 CLASSIC_PAIRS = {
-    "fp32": ("O0", "32-true", ["--accumulate", "2", "--clip", "1.0"]),
-    "apex-O1": ("O1", "apex-O1", ["--accumulate", "2", "--clip", "1.0", "--bad-batch", "3"]),
-    "apex-O2": ("O2", "apex-O2", ["--accumulate", "2", "--clip", "1.0", "--bad-batch", "3"]),
-    "apex-O3": ("O3", "apex-O3", ["--accumulate", "2", "--clip", "0.5"]),
+    "fp32": ([*CLASSIC, "O0"], "32-true", ["--accumulate", "2", "--clip", "1.0"]),
+    "apex-O1": ([*CLASSIC, "O1"], "apex-O1", ["--accumulate", "2", "--clip", "1.0", "--bad-batch", "3"]),
+    "apex-O2": ([*CLASSIC, "O2"], "apex-O2", ["--accumulate", "2", "--clip", "1.0", "--bad-batch", "3"]),
+    "apex-O3": ([*CLASSIC, "O3"], "apex-O3", ["--accumulate", "2", "--clip", "0.5"]),
+    "native-O1": (
+        ["tests/workers/classic_native.py"],
+        "native-O1",
+        ["--accumulate", "2", "--clip", "1.0", "--bad-batch", "3"],
+    ),
 }
+#: The pairs whose Fabric run stops after one epoch and goes on in a new process from what fabric.save wrote.
+RESUMED = {"apex-O1", "apex-O2", "native-O1"}
 
 
 @needs_cpu_fp16
@@ -304,19 +312,18 @@ CLASSIC_PAIRS = {
 def test_the_fabric_script_ends_in_the_classic_scripts_weights(
     pair: str, torchrun: Torchrun, preloaded: Preloaded, tmp_path: Path
 ) -> None:
-    # examples/classic/train.py (DDP, DistributedSampler and amp.scale_loss by hand, with the apex test double on CPU
-    # ranks) against examples/fabric/train.py, the same loop under Fabric(strategy="envddp", precision=...), on 2
-    # ranks, for 2 epochs. apex O0 is fp32 with a loss scale of 1: the classic O0 run is the reference for "32-true".
-    # Under apex O1 and O2 the Fabric script trains one epoch, saves, and goes on in a new process from what fabric.save
-    # wrote (the loss scale, O2's fp32 masters, the epoch; the data in the classic order): the end equals the classic
-    # run that never stopped.
-    level, precision, cases = CLASSIC_PAIRS[pair]
+    # The classic loop (DDP, DistributedSampler and amp.scale_loss by hand, with the apex test double on CPU ranks; or
+    # torch.autocast and a GradScaler by hand) against examples/fabric/train.py, the same loop under
+    # Fabric(strategy="envddp", precision=...), on 2 ranks for 2 epochs. apex O0 is fp32 with a loss scale of 1: the
+    # classic O0 run is the reference for "32-true". A resumed Fabric run trains one epoch, saves, and goes on in a new
+    # process from what fabric.save wrote (the loss scale, O2's fp32 masters, the epoch; the data in the classic
+    # order): its end equals the reference run that never stopped.
+    reference, precision, cases = CLASSIC_PAIRS[pair]
     classic, kept = tmp_path / "classic.pt", tmp_path / "fabric.pt"
-    script = str(EXAMPLES / "classic" / "train.py")
-    check(torchrun.run(script, "--opt-level", level, *cases, "--checkpoint", str(classic), apex_double=True))
+    script = str(Path(__file__).parents[1] / reference[0])
+    check(torchrun.run(script, *reference[1:], *cases, "--checkpoint", str(classic), apex_double=True))
     script, args = str(EXAMPLES / "fabric" / "train.py"), ["--precision", precision, *cases, "--checkpoint", str(kept)]
-    resumes = precision in ("apex-O1", "apex-O2")
-    stages = [["--epochs", "1"], ["--resume", str(kept)]] if resumes else [[]]
+    stages = [["--epochs", "1"], ["--resume", str(kept)]] if pair in RESUMED else [[]]
     for stage, extra in enumerate(stages):
         preloaded.run(script, *args, *extra, log=tmp_path / f"logs{stage}").check()
     before, after = torch.load(classic, weights_only=False), torch.load(kept, weights_only=False)
@@ -327,8 +334,10 @@ def test_the_fabric_script_ends_in_the_classic_scripts_weights(
             assert (after[model][name].float() - value.float()).abs().max().item() == 0.0, f"{model}.{name}"
     if precision.startswith("apex"):
         assert after["amp"]["loss_scalers"] == [before["amp"]["loss_scaler0"]]
+    if pair == "native-O1":
+        assert after["amp"]["grad_scaler"] == before["scaler"]
     if "--bad-batch" in cases:  # its step (the 2nd of 16) was skipped: the scale halved, and 14 steps ran since
-        assert before["amp"]["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 14}
+        assert after["amp"]["loss_scalers"] == [{"loss_scale": 2.0**15, "unskipped": 14}]
     if precision == "apex-O2":
         assert [master.dtype for master in after["amp"]["master_weights"]] == [torch.float32] * 6
     torch.manual_seed(0)
