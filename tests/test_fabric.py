@@ -357,3 +357,26 @@ def test_the_readmes_fabric_diff_is_lines_of_the_two_example_files() -> None:
     assert [line for line in added if line not in kept] == []
     assert [line for line in removed if line not in classic] == []
     assert len(added) <= 12
+
+
+@needs_cpu_fp16
+def test_fabrics_optimizer_handed_to_amp_scale_loss_by_hand_is_refused(apex_double: ModuleType) -> None:
+    # A kept line of the classic loop: apex would patch the wrapper's step on an overflow, bypassing the strategy.
+    fabric = fabric_for("apex-O1")
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    loss = model(torch.randn(2, 8)).float().sum()
+    with pytest.raises(PrecisionConfigurationError) as raised, apex_double.scale_loss(loss, optimizer):
+        pass
+    message = str(raised.value)
+    assert message.startswith("amp.scale_loss='FabricSGD': it was handed Fabric's optimizer wrapper")
+    assert "fabric.backward(loss)" in message
+    fabric.backward(loss)  # the package's own amp.scale_loss, on the raw optimizer, still runs
+    optimizer.step()
+
+
+@needs_cpu_fp16
+def test_fabrics_optimizer_handed_to_amp_initialize_by_hand_is_refused(apex_double: ModuleType) -> None:
+    fabric = fabric_for("apex-O1")
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    with pytest.raises(PrecisionConfigurationError, match=r"amp\.initialize='FabricSGD'.*made it already"):
+        apex_double.initialize(model.module, [optimizer], opt_level="O1")

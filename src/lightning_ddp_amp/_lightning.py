@@ -27,6 +27,7 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy  # type
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.wrappers import _FabricOptimizer
 
 # Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
 # re-exported for compare/patching.py, which turns off the loggers it cannot point into a run's folder.
@@ -197,6 +198,14 @@ def install_fabric_hook(
 
     setattr(__init__, _MARK, True)
     _Connector.__init__ = __init__  # type: ignore[method-assign]
+
+
+def is_fabric_optimizer(value: object) -> bool:
+    """Whether ``value`` is the optimizer wrapper ``fabric.setup`` returns.
+
+    Why: Fabric's ``_FabricOptimizer`` is private; a script that hands it to apex by hand must be told.
+    """
+    return isinstance(value, _FabricOptimizer)
 
 
 def keep_fabric_zero_grad(optimizer: Optimizer) -> None:

@@ -14,7 +14,9 @@ optimizers come from :meth:`AmpPrecision.connect`, which envddp calls before it 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -27,6 +29,7 @@ from torch.nn import Module, ModuleList
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice
 from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
@@ -187,6 +190,9 @@ class AmpPrecision(Precision):
                 f"set up every model with its optimizer in one call: fabric.setup(model, optimizer), or {SETUP_MODELS}",
             )
         self.amp_backend.connect(ModuleList(models), list(models), list(optimizers))
+        amp = getattr(self.amp_backend, "amp", None)
+        if amp is not None:
+            _refuse_fabric_optimizers(amp)
         self._connected.extend(models)
         self._optimizers.extend(optimizers)
 
@@ -329,3 +335,41 @@ def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any
     """``Fabric(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` as an :class:`AmpPrecision` in ``plugins``
     (:func:`~lightning_ddp_amp.precision_strings.resolve_flag`)."""
     return resolve_flag(precision, plugins, AmpPrecision, Precision)
+
+
+#: apex's calls a kept line of the classic loop may hand Fabric's optimizer wrapper to, and what replaces each.
+_APEX_CALLS = {
+    "scale_loss": "replace `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` by"
+    " fabric.backward(loss), which runs amp.scale_loss on the raw optimizer",
+    "initialize": "drop the amp.initialize call: fabric.setup(model, optimizer) (or setup_models) made it already,"
+    " before the DDP wrap",
+}
+
+
+def _refuse_fabric_optimizers(amp: ModuleType) -> None:
+    """Make ``amp.scale_loss`` and ``amp.initialize`` refuse Fabric's optimizer wrapper, which a kept line of the
+    classic loop would hand them: apex patches the object it is given (``step``, to skip it after an overflow), and a
+    patch on the wrapper would bypass the strategy. Idempotent; the package's own calls hand over raw optimizers."""
+    for name, fix in _APEX_CALLS.items():
+        original = getattr(amp, name)
+        if not getattr(original, "__refuses_fabric_optimizers__", False):
+            setattr(amp, name, _refusing(name, original, fix))
+
+
+def _refusing(name: str, original: Callable[..., Any], fix: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if _lightning.is_fabric_optimizer(item):
+                    raise PrecisionConfigurationError(
+                        f"amp.{name}",
+                        type(item).__name__,
+                        "it was handed Fabric's optimizer wrapper (what fabric.setup returns); apex patches the object"
+                        " it is given, and a patch on the wrapper would bypass Fabric's strategy",
+                        fix,
+                    )
+        return original(*args, **kwargs)
+
+    call.__refuses_fabric_optimizers__ = True  # type: ignore[attr-defined]
+    return call

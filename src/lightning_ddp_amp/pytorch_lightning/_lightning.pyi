@@ -28,6 +28,7 @@ from lightning_fabric.strategies import DDPStrategy as FabricDDPStrategy  # type
 from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from lightning_fabric.wrappers import _FabricOptimizer
 
 # Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
 # re-exported for compare/patching.py, which turns off the loggers it cannot point into a run's folder.
@@ -139,6 +140,14 @@ def install_fabric_hook(
         resolve_precision: :func:`lightning_ddp_amp.pytorch_lightning.fabric.precision.resolve_precision_flag`.
         strategy_class: :class:`lightning_ddp_amp.fabric.EnvDDPStrategy`.
         precision_class: :class:`lightning_ddp_amp.fabric.AmpPrecision`.
+    """
+    ...
+
+
+def is_fabric_optimizer(value: object) -> bool:
+    """Whether ``value`` is the optimizer wrapper ``fabric.setup`` returns.
+
+    Why: Fabric's ``_FabricOptimizer`` is private; a script that hands it to apex by hand must be told.
     """
     ...
 

@@ -15,7 +15,9 @@ optimizers come from :meth:`AmpPrecision.connect`, which envddp calls before it 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -28,6 +30,7 @@ from torch.nn import Module, ModuleList
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice
 from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
@@ -224,4 +227,25 @@ class AmpPrecision(Precision):
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
     """``Fabric(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` as an :class:`AmpPrecision` in ``plugins``
     (:func:`~lightning_ddp_amp.precision_strings.resolve_flag`)."""
+    ...
+
+
+#: apex's calls a kept line of the classic loop may hand Fabric's optimizer wrapper to, and what replaces each.
+_APEX_CALLS = {
+    "scale_loss": "replace `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` by"
+    " fabric.backward(loss), which runs amp.scale_loss on the raw optimizer",
+    "initialize": "drop the amp.initialize call: fabric.setup(model, optimizer) (or setup_models) made it already,"
+    " before the DDP wrap",
+}
+
+
+def _refuse_fabric_optimizers(amp: ModuleType) -> None:
+    """Make ``amp.scale_loss`` and ``amp.initialize`` refuse Fabric's optimizer wrapper, which a kept line of the
+    classic loop would hand them: apex patches the object it is given (``step``, to skip it after an overflow), and a
+    patch on the wrapper would bypass the strategy. Idempotent; the package's own calls hand over raw optimizers."""
+    ...
+
+
+def _refusing(name: str, original: Callable[..., Any], fix: str) -> Callable[..., Any]:
+    @functools.wraps(original)
     ...
