@@ -5,20 +5,26 @@ the apex test double where apex is meant; two ranks for the classic script again
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from conftest import Preloaded, Torchrun, check, needs_cpu_fp16
+from conftest import Preloaded, Torchrun, check, finish, needs_cpu_fp16, start_python
 from lightning.fabric import Fabric
-from lightning.fabric.plugins import Precision
+from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from test_launchers import MPIRUN_RANK_3_OF_4, SRUN_RANK_3_OF_4, TORCHRUN_RANK_0_OF_2
 
 import lightning_ddp_amp
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 from lightning_ddp_amp.fabric import AmpPrecision, EnvDDPStrategy, setup_models
+from lightning_ddp_amp.launch.environment import read_topology
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -380,3 +386,117 @@ def test_fabrics_optimizer_handed_to_amp_initialize_by_hand_is_refused(apex_doub
     model, optimizer = fabric.setup(*model_and_optimizer())
     with pytest.raises(PrecisionConfigurationError, match=r"amp\.initialize='FabricSGD'.*made it already"):
         apex_double.initialize(model.module, [optimizer], opt_level="O1")
+
+
+#: What each launcher exports for one of its ranks, and (rank, local rank, world size, node rank) envddp reads there:
+#: the launcher tables of the Trainer's tests (test_launchers.py, test_environment.py), read through Fabric.
+LAUNCHED = {
+    "torchrun": (TORCHRUN_RANK_0_OF_2, [], (0, 0, 2, 0)),
+    "torch.distributed.launch --use-env": (
+        {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        [],
+        (1, 1, 2, 0),
+    ),
+    "torch.distributed.launch": (
+        {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        ["--local-rank=1"],
+        (1, 1, 2, 0),
+    ),
+    "srun": (SRUN_RANK_3_OF_4, [], (3, 1, 4, 1)),
+    "mpirun": (MPIRUN_RANK_3_OF_4, [], (3, 1, 4, 1)),
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHED))
+def test_fabric_reads_every_launcher_as_the_trainer_does(launcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    env, argv, (rank, local_rank, world_size, node_rank) = LAUNCHED[launcher]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    fabric = Fabric(strategy="envddp", accelerator="cpu")
+    strategy = fabric.strategy
+    assert isinstance(strategy, EnvDDPStrategy)
+    assert strategy.topology == read_topology(dict(os.environ), sys.argv[1:])
+    assert (fabric.global_rank, fabric.local_rank, fabric.world_size, fabric.node_rank) == (
+        rank,
+        local_rank,
+        world_size,
+        node_rank,
+    )
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": world_size, "rank": rank}
+
+
+def test_a_bad_launcher_variable_is_the_trainers_error_at_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {**TORCHRUN_RANK_0_OF_2, "LOCAL_WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(lightning_ddp_amp.LauncherEnvironmentError, match="LOCAL_WORLD_SIZE"):
+        Fabric(strategy="envddp", accelerator="cpu")
+
+
+def test_devices_against_the_launcher_is_checked_at_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in TORCHRUN_RANK_0_OF_2.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(lightning_ddp_amp.TopologyMismatchError, match="drop devices from the Fabric"):
+        Fabric(strategy="envddp", accelerator="cpu", devices=3)
+
+
+class FourRanks(ClusterEnvironment):
+    """A scheduler's ClusterEnvironment plugin: rank 2 of 4, two a node."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "10.1.1.1"
+
+    @property
+    def main_port(self) -> int:
+        return 29555
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return 4
+
+    def set_world_size(self, size: int) -> None:
+        pass
+
+    def global_rank(self) -> int:
+        return 2
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return 0
+
+    def node_rank(self) -> int:
+        return 1
+
+    def local_world_size(self) -> int:
+        return 2
+
+
+def test_a_cluster_environment_plugin_gives_fabric_its_ranks() -> None:
+    fabric = Fabric(strategy="envddp", accelerator="cpu", plugins=[FourRanks()])
+    assert (fabric.global_rank, fabric.local_rank, fabric.world_size, fabric.node_rank) == (2, 0, 4, 1)
+    assert fabric.strategy.topology.master_addr == "10.1.1.1"  # type: ignore[attr-defined]
+
+
+def test_devices_2_without_a_launcher_starts_two_ranks_at_fabric_launch(tmp_path: Path) -> None:
+    # `python train.py` with Fabric(devices=2): fabric.launch() makes this process torchrun's agent for 2 ranks.
+    script = str(Path(__file__).parent / "workers" / "fabric_launch.py")
+    result = check(finish(start_python(script, "--devices", "2"), 240))
+    lines = sorted(
+        (json.loads(line) for line in re.findall(r"\{[^{}]*\}", result.stdout)), key=lambda line: line["rank"]
+    )
+    assert lines == [
+        {"rank": 0, "world": 2, "local": 0, "sum": 3.0},
+        {"rank": 1, "world": 2, "local": 1, "sum": 3.0},
+    ]
+    assert "envddp: no launcher variables and 2 devices: starting the ranks as `torchrun" in result.stdout
+    assert "started by the script itself, through torchrun (self-launch)" in result.stdout
