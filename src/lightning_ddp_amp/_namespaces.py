@@ -149,7 +149,9 @@ def stub(source: str) -> str:
     for function in _functions(tree.body):
         body = function.body[1:] if ast.get_docstring(function, clean=False) is not None else function.body
         if body:
-            cuts.append((body[0].lineno, body[-1].end_lineno or body[-1].lineno, " " * body[0].col_offset + "...\n"))
+            # A decorated statement starts at its first decorator.
+            first = min([body[0].lineno, *(d.lineno for d in getattr(body[0], "decorator_list", []))])
+            cuts.append((first, body[-1].end_lineno or body[-1].lineno, " " * body[0].col_offset + "...\n"))
     for first, last, replacement in sorted(cuts, reverse=True):
         lines[first - 1 : last] = [replacement] if replacement else []
     return re.sub(r"\n{4,}", "\n\n\n", "".join(lines)).rstrip("\n") + "\n"

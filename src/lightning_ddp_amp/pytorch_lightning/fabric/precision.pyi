@@ -249,5 +249,4 @@ def _refuse_fabric_optimizers(amp: ModuleType) -> None:
 def _refusing(name: str, original: Callable[..., Any], fix: str) -> Callable[..., Any]:
     """apex's ``amp.<name>``, refusing Fabric's optimizer wrapper with ``fix``."""
 
-    @functools.wraps(original)
     ...
