@@ -1,7 +1,7 @@
 """envddp, on the Trainer and in a Fabric loop, against the plain PyTorch recipe, Lightning's own "ddp" and
 Accelerate, on 2 CPU ranks (gloo).
 
-    python benchmarks/run.py                 # about 12 minutes on 2 cores
+    python benchmarks/run.py                 # about 11 minutes on 2 cores
     python benchmarks/run.py --quick         # one short round, smallest size: a smoke test
     python benchmarks/run.py --only fabric-envddp fabric-ddp accelerate --sizes 1M --rounds 6 --against fabric-ddp
 
