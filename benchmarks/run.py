@@ -121,7 +121,7 @@ def focused(variants: list[str], sizes: list[str], rounds: int, blocks: int, aga
         summary = compare(variants, rounds, width, batch_size, steps, warmup, blocks)
         params = summary[BASE]["params"]
         print(
-            f"\n{label}: MLP 4x{width} ({params:,} params), batch {batch_size} per rank; {rounds} runs, in each every"
+            f"\n{label}: MLP 4x{width} ({params:,} params), batch {batch_size} per rank; runs: {rounds}, in each every"
             f" variant trains in turn {blocks} times ({warmup} + {steps} steps) in the same processes; median ratio"
             " over the runs (range)\n"
         )
