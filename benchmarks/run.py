@@ -1,7 +1,9 @@
-"""envddp against the plain PyTorch recipe, Lightning's own "ddp" and Accelerate, on 2 CPU ranks (gloo).
+"""envddp, on the Trainer and in a Fabric loop, against the plain PyTorch recipe, Lightning's own "ddp" and
+Accelerate, on 2 CPU ranks (gloo).
 
-    python benchmarks/run.py                 # about 10 minutes on 2 cores
+    python benchmarks/run.py                 # about 11 minutes on 2 cores
     python benchmarks/run.py --quick         # one short round, smallest size: a smoke test
+    python benchmarks/run.py --only fabric-envddp fabric-ddp accelerate --sizes 1M --rounds 6 --against fabric-ddp
 
 Each variant trains the same MLP on the same data under ``torchrun --nproc-per-node=2``. Within one run all
 variants train in turn, several times, in the same processes, so every ratio compares steps measured seconds
@@ -22,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,12 @@ VARIANTS = {
     "lightning-ddp": 'Lightning, Trainer(strategy="ddp")',
     "envddp": 'Lightning, Trainer(strategy="envddp")',
     "envddp-bf16": "envddp + AmpPrecision(dtype='bfloat16') on the CPU",
+    "fabric-envddp": 'Lightning Fabric(strategy="envddp"), the recipe\'s loop',
+    "fabric-ddp": 'Lightning Fabric(strategy="ddp"), the recipe\'s loop',
     "accelerate": "Hugging Face Accelerate",
 }
+#: The main table's settings: width of the 4-layer MLP (~1M parameters), batch per rank, measured and warm-up steps.
+MAIN = (512, 64, 60, 10)
 #: Model sizes of the sweep: (label, width of the 4-layer MLP, batch per rank, measured steps).
 SWEEP = [("1M", 512, 64, 200), ("10M", 1600, 64, 40), ("50M", 3536, 32, 12)]
 SWEEP_VARIANTS = ["recipe", "lightning-ddp", "envddp"]
@@ -86,11 +93,51 @@ def compare(
         ratios = [run["median_step"][variant] / run["median_step"][BASE] for run in runs]
         summary[variant] = {
             "median_step_ms": 1000 * statistics.median(run["median_step"][variant] for run in runs),
+            "runs_ms": [1000 * run["median_step"][variant] for run in runs],
             "ratio_to_recipe": statistics.median(ratios),
             "ratio_range": [min(ratios), max(ratios)],
             "params": runs[0]["params"],
         }
     return summary
+
+
+def ratio(summary: dict[str, Any], variant: str, reference: str) -> tuple[float, float, float]:
+    """``variant``'s per-step time over ``reference``'s, run by run (both measured in the same processes): the
+    median over the runs, the lowest and the highest."""
+    ratios = [a / b for a, b in zip(summary[variant]["runs_ms"], summary[reference]["runs_ms"], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def focused(variants: list[str], sizes: list[str], rounds: int, blocks: int, against: str | None) -> None:
+    """``--only``: the recipe and ``variants`` in interleaved rounds at each of ``sizes``, printed as Markdown."""
+    variants = installed(list(dict.fromkeys([BASE, *variants, *([against] if against else [])])))
+    references = [BASE] + ([against] if against in variants and against != BASE else [])
+    for label in sizes:
+        if label == SWEEP[0][0]:
+            width, batch_size, steps, warmup = MAIN
+        else:
+            _, width, batch_size, sweep_steps = next(size for size in SWEEP if size[0] == label)
+            steps, warmup = max(4, sweep_steps // 4), 2
+        summary = compare(variants, rounds, width, batch_size, steps, warmup, blocks)
+        params = summary[BASE]["params"]
+        print(
+            f"\n{label}: MLP 4x{width} ({params:,} params), batch {batch_size} per rank; runs: {rounds}, in each every"
+            f" variant trains in turn {blocks} times ({warmup} + {steps} steps) in the same processes; median ratio"
+            " over the runs (range)\n"
+        )
+        print("| variant | per-step (ms) | " + " | ".join(f"x {ref} (range)" for ref in references) + " |")
+        print("|---|---|" + "---|" * len(references))
+        for name, row in summary.items():
+            cells = ["{:.3f} ({:.3f}-{:.3f})".format(*ratio(summary, name, ref)) for ref in references]
+            print(f"| {name}: {VARIANTS[name]} | {row['median_step_ms']:.2f} | " + " | ".join(cells) + " |")
+
+
+def installed(variants: list[str]) -> list[str]:
+    """``variants`` less Accelerate when it is not installed (``pip install -e ".[bench]"``)."""
+    if "accelerate" in variants and not importlib.util.find_spec("accelerate"):
+        print('accelerate is not installed (pip install -e ".[bench]"): left out', flush=True)
+        return [v for v in variants if v != "accelerate"]
+    return variants
 
 
 def alone(variant: str, width: int, batch_size: int) -> dict[str, Any]:
@@ -152,20 +199,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--blocks", type=int, default=8, help="turns each variant takes within a round")
     parser.add_argument("--quick", action="store_true", help="one round of two blocks, smallest size only")
-    parser.add_argument("--only", nargs="+", help="compare only these variants with the recipe (printed only)")
+    parser.add_argument(
+        "--only", nargs="+", choices=list(VARIANTS), help="compare only these variants with the recipe (printed only)"
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=[size[0] for size in SWEEP],
+        default=[SWEEP[0][0]],
+        help="with --only: the model sizes, in parameters (default: 1M, the main table's settings)",
+    )
+    parser.add_argument(
+        "--against", choices=list(VARIANTS), help="with --only: also each variant's ratio to this one, run by run"
+    )
     args = parser.parse_args()
     rounds, blocks = (1, 2) if args.quick else (args.rounds, args.blocks)
+    started = time.monotonic()
     if args.only:
-        for name, row in compare([BASE, *args.only], rounds, 512, 64, 60, 10, blocks).items():
-            low, high = row["ratio_range"]
-            print(f"{name:22s} {row['median_step_ms']:7.2f} ms  {row['ratio_to_recipe']:.3f}  ({low:.3f}-{high:.3f})")
+        focused(args.only, args.sizes, rounds, blocks, args.against)
+        print(f"\ntook {time.monotonic() - started:.0f} s")
         return
-    variants = [v for v in VARIANTS if v != "accelerate" or importlib.util.find_spec("accelerate")]
+    variants = installed(list(VARIANTS))
     print("per-step comparison")
-    main_table = compare(variants, rounds, width=512, batch_size=64, steps=60, warmup=10, blocks=blocks)
+    width, batch_size, steps, warmup = MAIN
+    main_table = compare(variants, rounds, width, batch_size, steps, warmup, blocks=blocks)
     print("start-up and memory")
     for variant in variants:
-        main_table[variant].update(alone(variant, width=512, batch_size=64))
+        main_table[variant].update(alone(variant, width=width, batch_size=batch_size))
     sweep: dict[str, dict[str, Any]] = {}
     for label, width, batch_size, steps in SWEEP[:1] if args.quick else SWEEP:
         print(f"sweep {label}")
@@ -185,6 +245,7 @@ def main() -> None:
     (RESULTS / "latest.md").write_text(table)
     plot(main_table, sweep, RESULTS / "latest.png")
     print(table)
+    print(f"took {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -67,9 +67,26 @@ def recipe(step_ends: list[float], gradient_as_bucket_view: bool) -> None:
     data = dataset()
     sampler = DistributedSampler(data, shuffle=True)
     sampler.set_epoch(0)
-    for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler):
+    loop(
+        DataLoader(data, batch_size=args.batch_size, sampler=sampler),
+        model,
+        optimizer,
+        torch.Tensor.backward,
+        step_ends,
+    )
+
+
+def loop(
+    loader: Iterable[Any],
+    model: Callable[[torch.Tensor], torch.Tensor],
+    optimizer: Any,
+    backward: Callable[[torch.Tensor], None],
+    step_ends: list[float],
+) -> None:
+    """The hand-written training loop: the recipe, Fabric and Accelerate variants all run these same lines."""
+    for x, y in loader:
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        backward(torch.nn.functional.mse_loss(model(x), y))
         optimizer.step()
         step_ends.append(time.perf_counter())
 
@@ -113,14 +130,26 @@ def accelerate(step_ends: list[float]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    for x, y in loader:
-        optimizer.zero_grad()
-        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        step_ends.append(time.perf_counter())
+    loop(loader, model, optimizer, accelerator.backward, step_ends)
+
+
+def fabric_loop(step_ends: list[float], strategy: str, **fabric_kwargs: Any) -> None:
+    """The recipe's loop under Lightning Fabric: fabric.setup, fabric.setup_dataloaders, fabric.backward."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", strategy=strategy, precision="32-true", **fabric_kwargs)
+    fabric.launch()  # under torchrun neither strategy starts processes; a group another variant made is kept
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    # shuffle=True: Fabric puts in DistributedSampler(shuffle=True, seed=0), the recipe's sampler, at epoch 0.
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=args.batch_size, shuffle=True))
+    loop(loader, model, optimizer, fabric.backward, step_ends)
 
 
 def variant(name: str) -> Callable[[list[float]], None]:
+    if "envddp" in name:
+        import lightning_ddp_amp  # noqa: F401  (registers "envddp" with the Trainer and Fabric)
     if name == "recipe":
         return lambda ends: recipe(ends, gradient_as_bucket_view=False)
     if name == "recipe-bucket-view":
@@ -128,13 +157,18 @@ def variant(name: str) -> Callable[[list[float]], None]:
     if name == "lightning-ddp":
         return lambda ends: lightning(ends, "ddp", devices=WORLD)
     if name == "envddp":
-        import lightning_ddp_amp  # noqa: F401
-
         return lambda ends: lightning(ends, "envddp")
     if name == "envddp-bf16":
         from lightning_ddp_amp import AmpPrecision
 
         return lambda ends: lightning(ends, "envddp", plugins=[AmpPrecision(dtype="bfloat16")])
+    if name == "fabric-envddp":
+        return lambda ends: fabric_loop(ends, "envddp")
+    if name == "fabric-ddp":
+        # Fabric's own ddp under torchrun: it reads the ranks from TorchElastic's variables and starts nothing; devices
+        # is the ranks per node, as a Fabric script under torchrun passes it (Fabric's CPU default is 1 device), and as
+        # for the Trainer's "ddp" above.
+        return lambda ends: fabric_loop(ends, "ddp", devices=int(os.environ["LOCAL_WORLD_SIZE"]))
     if name == "accelerate":
         return accelerate
     raise SystemExit(f"unknown variant {name!r}")
