@@ -322,3 +322,49 @@ def test_real_apex_o1_runs_rnns_fed_fp16_in_fp16_on_cudnns_flat_weights_as_the_r
         dtypes = json.loads((out / "dtypes.json").read_text())
         assert dtypes == {"lstm": "torch.float16", "gru": "torch.float16", "rnn": "torch.float16"}, (mode, dtypes)
     assert_same_state(runs["lightning"] / "weights.pt", runs["classic"] / "weights.pt")
+
+
+@pytest.mark.apex
+@real_apex
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_real_apex_under_fabric_ends_in_the_classic_scripts_weights(
+    level: str, torchrun: Torchrun, tmp_path: Path
+) -> None:
+    # examples/classic/train.py against examples/fabric/train.py (Fabric(strategy="envddp", precision="apex-O1"/"O2")),
+    # one rank on cuda:0 with real apex: accumulation, clipping and an inf batch whose step apex skips.
+    examples = Path(__file__).parents[1] / "examples"
+    cases = ("--accumulate", "2", "--clip", "1.0", "--bad-batch", "3")
+    classic, kept = tmp_path / "classic.pt", tmp_path / "fabric.pt"
+    check(
+        torchrun.run(
+            str(examples / "classic" / "train.py"),
+            "--opt-level",
+            level,
+            *cases,
+            "--checkpoint",
+            str(classic),
+            nproc=1,
+            env=DETERMINISTIC,
+        )
+    )
+    check(
+        torchrun.run(
+            str(examples / "fabric" / "train.py"),
+            "--precision",
+            f"apex-{level}",
+            *cases,
+            "--checkpoint",
+            str(kept),
+            nproc=1,
+            env=DETERMINISTIC,
+        )
+    )
+    before, after = torch.load(classic, weights_only=False), torch.load(kept, weights_only=False)
+    for model in ("model_a", "model_b"):
+        for name, value in before[model].items():
+            difference = max_abs_difference({name: after[model][name].float()}, {name: value.float()})
+            print(f"  {model}.{name:<24} {difference:.3g}")
+            assert difference <= TOLERANCE, f"{model}.{name}"
+    print(f"  loss scalers {after['amp']['loss_scalers']} (classic: {before['amp']})")
+    assert after["amp"]["loss_scalers"] == [before["amp"]["loss_scaler0"]]
+    assert before["amp"]["loss_scaler0"]["loss_scale"] == 2.0**15  # the inf batch's step was skipped

@@ -24,11 +24,11 @@ def _keeping(sampler_class: type[Any]) -> type[Any]:
     if sampler_class not in _KEEPING:
 
         def set_epoch(self: Any, epoch: int) -> None:
-            self._epochs_set.append(epoch)
+            vars(self).setdefault("_epochs_set", []).append(epoch)
             sampler_class.set_epoch(self, epoch)
 
         def __iter__(self: Any) -> Iterator[Any]:
-            calls, self._epochs_set = self._epochs_set, []
+            calls = vars(self).pop("_epochs_set", [])
             if len(calls) > 1:  # the script's, then Fabric's as iteration began
                 sampler_class.set_epoch(self, calls[0])
             return sampler_class.__iter__(self)  # type: ignore[no-any-return]
@@ -45,5 +45,4 @@ def keep_script_epoch(loader: object) -> None:
     samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
     for sampler in samplers:
         if isinstance(sampler, DistributedSampler) and not getattr(sampler, "keeps_script_epoch", False):
-            sampler._epochs_set = []  # type: ignore[attr-defined]
             sampler.__class__ = _keeping(type(sampler))
