@@ -176,7 +176,8 @@ class AmpPrecision(Precision):
             call: What the script called, for messages.
 
         Raises:
-            PrecisionConfigurationError: apex amp was already initialized in this process.
+            PrecisionConfigurationError: apex amp was already initialized in this process, or an optimizer's ``eps``
+                rounds to 0 in the half-precision weights it would step (O3).
         """
         if self.initializes_with_optimizers and getattr(self.amp_backend, "initialized", False):
             raise PrecisionConfigurationError(
@@ -186,9 +187,38 @@ class AmpPrecision(Precision):
                 " amp.initialize per process and an earlier setup in this process made it",
                 f"set up every model with its optimizer in one call: fabric.setup(model, optimizer), or {SETUP_MODELS}",
             )
+        self._check_half_steps(models, optimizers, call)
         self.amp_backend.connect(ModuleList(models), list(models), list(optimizers))
         self._connected.extend(models)
         self._optimizers.extend(optimizers)
+
+    def _check_half_steps(self, models: Sequence[Module], optimizers: Sequence[Optimizer], call: str) -> None:
+        """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights (O3: no fp32 masters),
+        as the Trainer's AmpPrecision does when ``fit`` starts; here before ``amp.initialize``, so that the call can be
+        made again with the fix.
+
+        Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0, or whose squared gradient
+        underflows, divides by 0, and the weights become NaN with no error.
+        """
+        dtype = self._backend_class.model_dtype(self.settings)
+        if dtype is None or self.master_weights:
+            return
+        cast = {id(param) for model in models for param in model.parameters()}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                eps = group.get("eps")
+                steps_cast_weights = any(id(param) in cast for param in group["params"])
+                if steps_cast_weights and isinstance(eps, float) and torch.tensor(eps, dtype=dtype).item() == 0 < eps:
+                    name, half = type(optimizer).__name__, str(dtype).removeprefix("torch.")
+                    raise PrecisionConfigurationError(
+                        "eps",
+                        eps,
+                        f"{call} under precision {self.flag!r}: opt_level {self.opt_level} steps the {half} weights"
+                        f" themselves, where {name}'s eps rounds to 0, so a weight whose gradient is 0 becomes NaN at"
+                        " its first step",
+                        f"pass {name}(..., eps=1e-4) (the smallest that float16 holds is about 6e-8), or use"
+                        f" precision={self.flag.rpartition('-')[0] + '-O2'!r}, whose optimizer steps fp32 weights",
+                    )
 
     def connected(self, item: Module | Optimizer) -> bool:
         """Whether the model or optimizer ``item`` went through :meth:`connect`."""

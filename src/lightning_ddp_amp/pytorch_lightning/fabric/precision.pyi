@@ -121,7 +121,18 @@ class AmpPrecision(Precision):
             call: What the script called, for messages.
 
         Raises:
-            PrecisionConfigurationError: apex amp was already initialized in this process.
+            PrecisionConfigurationError: apex amp was already initialized in this process, or an optimizer's ``eps``
+                rounds to 0 in the half-precision weights it would step (O3).
+        """
+        ...
+
+    def _check_half_steps(self, models: Sequence[Module], optimizers: Sequence[Optimizer], call: str) -> None:
+        """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights (O3: no fp32 masters),
+        as the Trainer's AmpPrecision does when ``fit`` starts; here before ``amp.initialize``, so that the call can be
+        made again with the fix.
+
+        Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0, or whose squared gradient
+        underflows, divides by 0, and the weights become NaN with no error.
         """
         ...
 
