@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
-from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_models
+from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps, check_models
 from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
@@ -185,34 +185,13 @@ class AmpPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     def _check_half_steps(self, model: Module, optimizers: list[Optimizer]) -> None:
-        """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights (O3: no fp32 masters).
-
-        Checked when ``fit`` starts: the optimizers do not exist when the Trainer is built.
-
-        Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0 (a dead ReLU, an unused
-        embedding row) divides 0 by 0, and every weight it reaches becomes NaN.
-
-        Raises:
-            PrecisionConfigurationError: a param group's ``eps`` rounds to 0 in the model's dtype.
-        """
-        dtype = self.model_dtype
-        if dtype is None or self.master_weights or not isinstance(model, LightningModule):
+        """Refuse an ``eps`` that rounds to 0 where the optimizer steps half-precision weights (:func:`check_half_steps
+        <lightning_ddp_amp.amp.settings.check_half_steps>`), when ``fit`` starts: the optimizers do not exist when the
+        Trainer is built."""
+        if self.master_weights or not isinstance(model, LightningModule):
             return
-        cast = {id(param) for module in self.amp_modules(model) for param in module.parameters()}
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                eps = group.get("eps")
-                steps_cast_weights = any(id(param) in cast for param in group["params"])
-                if steps_cast_weights and isinstance(eps, float) and torch.tensor(eps, dtype=dtype).item() == 0 < eps:
-                    raise PrecisionConfigurationError(
-                        "eps",
-                        eps,
-                        f"opt_level {self.opt_level} steps the {str(dtype).removeprefix('torch.')} weights themselves,"
-                        f" where {type(optimizer).__name__}'s eps rounds to 0, so a weight whose gradient is 0"
-                        " becomes NaN at its first step",
-                        f"pass {type(optimizer).__name__}(..., eps=1e-4) (the smallest that float16 holds is about"
-                        ' 6e-8), or use opt_level="O2", whose optimizer steps fp32 master weights',
-                    )
+        where = f"opt_level {self.opt_level}"
+        check_half_steps(self.model_dtype, self.amp_modules(model), optimizers, where, 'opt_level="O2"')
 
     def amp_modules(self, lightning_module: LightningModule) -> list[Module]:
         """The modules handed to ``amp.initialize``: ``models``, ``configure_amp_models()``, or the module itself.

@@ -137,3 +137,44 @@ def _to_dtype(field: str, value: str | torch.dtype | None) -> torch.dtype | None
     if not isinstance(dtype, torch.dtype):
         raise PrecisionConfigurationError(field, value, "it is not a torch dtype", 'e.g. "float32" or torch.float32')
     return dtype
+
+
+def check_half_steps(
+    dtype: torch.dtype | None,
+    models: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    where: str,
+    o2: str,
+) -> None:
+    """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights itself (O3: no fp32 masters).
+
+    Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0 (a dead ReLU, an unused
+    embedding row) divides 0 by 0, and every weight it reaches becomes NaN, with no error.
+
+    Args:
+        dtype: The dtype the optimizer steps ``models``' weights in; None (fp32, or fp32 masters) checks nothing.
+        models: The modules whose weights are cast.
+        optimizers: Their optimizers.
+        where: What runs at which level, for the message ("opt_level O3", "fabric.setup under precision 'apex-O3'").
+        o2: The O2 setting to name in the fix ('opt_level="O2"', "precision='apex-O2'").
+
+    Raises:
+        PrecisionConfigurationError: a param group's ``eps`` rounds to 0 in ``dtype``.
+    """
+    if dtype is None:
+        return
+    cast = {id(param) for model in models for param in model.parameters()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            eps = group.get("eps")
+            steps_cast_weights = any(id(param) in cast for param in group["params"])
+            if steps_cast_weights and isinstance(eps, float) and torch.tensor(eps, dtype=dtype).item() == 0 < eps:
+                name = type(optimizer).__name__
+                raise PrecisionConfigurationError(
+                    "eps",
+                    eps,
+                    f"{where} steps the {str(dtype).removeprefix('torch.')} weights themselves, where {name}'s eps"
+                    " rounds to 0, so a weight whose gradient is 0 becomes NaN at its first step",
+                    f"pass {name}(..., eps=1e-4) (the smallest that float16 holds is about 6e-8), or use {o2}, whose"
+                    " optimizer steps fp32 master weights",
+                )

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
-from lightning_ddp_amp.amp.settings import AmpSettings, check_choice
+from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps
 from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
@@ -179,7 +179,8 @@ class AmpPrecision(Precision):
             call: What the script called, for messages.
 
         Raises:
-            PrecisionConfigurationError: apex amp was already initialized in this process.
+            PrecisionConfigurationError: apex amp was already initialized in this process, or an optimizer's ``eps``
+                rounds to 0 in the half-precision weights it would step (O3).
         """
         if self.initializes_with_optimizers and getattr(self.amp_backend, "initialized", False):
             raise PrecisionConfigurationError(
@@ -189,6 +190,10 @@ class AmpPrecision(Precision):
                 " amp.initialize per process and an earlier setup in this process made it",
                 f"set up every model with its optimizer in one call: fabric.setup(model, optimizer), or {SETUP_MODELS}",
             )
+        if not self.master_weights:  # before amp.initialize, so that the call can be made again with the fix
+            o2 = f"precision={self.flag.rpartition('-')[0] + '-O2'!r}"
+            dtype = self._backend_class.model_dtype(self.settings)
+            check_half_steps(dtype, models, optimizers, f"{call} under precision {self.flag!r}", o2)
         self.amp_backend.connect(ModuleList(models), list(models), list(optimizers))
         amp = getattr(self.amp_backend, "amp", None)
         if amp is not None:

@@ -264,6 +264,29 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         return super().setup_optimizer(optimizer)
 
     @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        """``fabric.backward(loss)``; the arguments only AmpPrecision takes (``loss_id``, ``optimizers``,
+        ``delay_unscale``) are refused under another precision plugin, which would hand them to ``Tensor.backward``.
+
+        Raises:
+            PrecisionConfigurationError: ``loss_id``, ``optimizers`` or ``delay_unscale`` without AmpPrecision.
+        """
+        given = [name for name in ("loss_id", "optimizers", "delay_unscale") if name in kwargs]
+        if given and not isinstance(self.precision, AmpPrecision):
+            precision = getattr(self.precision, "precision", type(self.precision).__name__)
+            raise PrecisionConfigurationError(
+                given[0],
+                kwargs[given[0]],
+                f"fabric.backward(loss, {', '.join(f'{name}=...' for name in given)}) under precision {precision!r}:"
+                f" only AmpPrecision takes {' and '.join(given)} (a loss scaler per loss), and Lightning's"
+                f" {type(self.precision).__name__} would pass them to Tensor.backward, which has no such argument",
+                "call fabric.backward(loss) under Lightning's precisions, or use"
+                ' Fabric(strategy="envddp", plugins=[AmpPrecision(opt_level, backend, num_losses=2)]) for a loss'
+                " scaler per loss",
+            )
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
     def clip_gradients_norm(
         self,
         module: Module,

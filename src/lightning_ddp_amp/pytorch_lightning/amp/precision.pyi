@@ -37,7 +37,7 @@ from typing_extensions import override
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
-from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_models
+from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps, check_models
 from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
@@ -128,16 +128,9 @@ class AmpPrecision(Precision):
         ...
 
     def _check_half_steps(self, model: Module, optimizers: list[Optimizer]) -> None:
-        """Refuse an ``eps`` the optimizer cannot hold where it steps half-precision weights (O3: no fp32 masters).
-
-        Checked when ``fit`` starts: the optimizers do not exist when the Trainer is built.
-
-        Adam's default 1e-8 is 0 in float16: the first step of a weight whose gradient is 0 (a dead ReLU, an unused
-        embedding row) divides 0 by 0, and every weight it reaches becomes NaN.
-
-        Raises:
-            PrecisionConfigurationError: a param group's ``eps`` rounds to 0 in the model's dtype.
-        """
+        """Refuse an ``eps`` that rounds to 0 where the optimizer steps half-precision weights (:func:`check_half_steps
+        <lightning_ddp_amp.amp.settings.check_half_steps>`), when ``fit`` starts: the optimizers do not exist when the
+        Trainer is built."""
         ...
 
     def amp_modules(self, lightning_module: LightningModule) -> list[Module]:

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
-from lightning_ddp_amp.amp.settings import AmpSettings, check_choice
+from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps
 from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
@@ -124,7 +124,8 @@ class AmpPrecision(Precision):
             call: What the script called, for messages.
 
         Raises:
-            PrecisionConfigurationError: apex amp was already initialized in this process.
+            PrecisionConfigurationError: apex amp was already initialized in this process, or an optimizer's ``eps``
+                rounds to 0 in the half-precision weights it would step (O3).
         """
         ...
 

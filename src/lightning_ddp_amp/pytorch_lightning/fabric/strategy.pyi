@@ -185,6 +185,16 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         ...
 
     @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        """``fabric.backward(loss)``; the arguments only AmpPrecision takes (``loss_id``, ``optimizers``,
+        ``delay_unscale``) are refused under another precision plugin, which would hand them to ``Tensor.backward``.
+
+        Raises:
+            PrecisionConfigurationError: ``loss_id``, ``optimizers`` or ``delay_unscale`` without AmpPrecision.
+        """
+        ...
+
+    @override
     def clip_gradients_norm(
         self,
         module: Module,
