@@ -37,7 +37,7 @@ from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps, check_models
-from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
+from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
 BACKENDS = ("auto", *backend_names())
@@ -291,15 +291,7 @@ class AmpPrecision(Precision):
         Raises:
             PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers.
         """
-        whole_number(
-            PrecisionConfigurationError,
-            "loss_id",
-            loss_id,
-            f"AmpPrecision has num_losses={self.num_losses} loss scaler(s), numbered from 0",
-            "use a smaller loss_id, or raise AmpPrecision(num_losses=...)",
-            minimum=0,
-            below=self.num_losses,
-        )
+        self._settings.check_loss_id(loss_id)
         if optimizers is None:
             chosen = [optimizer] if optimizer is not None else self._optimizers
         else:

@@ -31,6 +31,22 @@ class AmpSettings:
     max_loss_scale: float
     cast_model_outputs: torch.dtype | None
 
+    def check_loss_id(self, loss_id: object) -> None:
+        """Refuse a ``loss_id`` that names none of the ``num_losses`` loss scalers.
+
+        Raises:
+            PrecisionConfigurationError: ``loss_id`` is not a whole number below ``num_losses``.
+        """
+        whole_number(
+            PrecisionConfigurationError,
+            "loss_id",
+            loss_id,
+            f"AmpPrecision has num_losses={self.num_losses} loss scaler(s), numbered from 0",
+            "use a smaller loss_id, or raise AmpPrecision(num_losses=...)",
+            minimum=0,
+            below=self.num_losses,
+        )
+
     @classmethod
     def checked(
         cls,

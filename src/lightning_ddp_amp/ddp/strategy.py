@@ -62,7 +62,7 @@ from lightning_ddp_amp.ddp.wrapper import (
     register_comm_hook,
     resolve_comm_hook,
 )
-from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
+from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
@@ -169,14 +169,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     ) -> None:
         # Filled by the cluster_environment and parallel_devices setters, which DDPStrategy.__init__ calls.
         self._reconciler = TopologyReconciler()
-        self.max_restarts = whole_number(
-            StrategyConfigurationError,
-            "max_restarts",
-            max_restarts,
-            "it must be a whole number of restarts, 0 or more",
-            "pass e.g. 3",
-            minimum=0,
-        )
+        self.max_restarts = selflaunch.check_max_restarts(max_restarts)
         named = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,

@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps
-from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
+from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
 SETUP_MODELS = "lightning_ddp_amp.fabric.setup_models(fabric, [model_a, model_b], optimizer)"
@@ -251,15 +251,7 @@ class AmpPrecision(Precision):
         Raises:
             PrecisionConfigurationError: ``loss_id`` is not one of the ``num_losses`` scalers.
         """
-        whole_number(
-            PrecisionConfigurationError,
-            "loss_id",
-            loss_id,
-            f"AmpPrecision has num_losses={self.settings.num_losses} loss scaler(s), numbered from 0",
-            "use a smaller loss_id, or raise AmpPrecision(num_losses=...)",
-            minimum=0,
-            below=self.settings.num_losses,
-        )
+        self.settings.check_loss_id(loss_id)
         if optimizers is None:
             chosen = list(self._optimizers)
         else:

@@ -40,9 +40,10 @@ from typing_extensions import override
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler
 from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
-from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError, whole_number
+from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 from lightning_ddp_amp.fabric.data import keep_script_epoch
 from lightning_ddp_amp.fabric.precision import SETUP_MODELS, AmpPrecision
+from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import group_line, join_or_start, resolve_timeout
 from lightning_ddp_amp.rank_zero import log_once
@@ -106,14 +107,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         self._reconciler = TopologyReconciler(front="Fabric")
-        self.max_restarts = whole_number(
-            StrategyConfigurationError,
-            "max_restarts",
-            max_restarts,
-            "it must be a whole number of restarts, 0 or more",
-            "pass e.g. 3",
-            minimum=0,
-        )
+        self.max_restarts = selflaunch.check_max_restarts(max_restarts)
         named = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any, NoReturn
 
-from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
 from lightning_ddp_amp.launch.environment import SELF_LAUNCH_VARIABLE, other_launcher
 from lightning_ddp_amp.launch.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, PREEMPTION_REPORT_VARIABLE
 
@@ -63,6 +63,22 @@ def script_command(main: ModuleType | None = None, argv: Sequence[str] | None = 
         "envddp starts the ranks by running this script again, but Python is not running a script file"
         " (interactive session, notebook or `python -c`)",
         "put the training in a script and run `python train.py`, or `torchrun --nproc-per-node=N train.py`",
+    )
+
+
+def check_max_restarts(max_restarts: object) -> int:
+    """``EnvDDPStrategy(max_restarts=...)`` (the Trainer's and Fabric's): how often torchrun may restart a self-launch.
+
+    Raises:
+        StrategyConfigurationError: not a whole number, 0 or more.
+    """
+    return whole_number(
+        StrategyConfigurationError,
+        "max_restarts",
+        max_restarts,
+        "it must be a whole number of restarts, 0 or more",
+        "pass e.g. 3",
+        minimum=0,
     )
 
 

@@ -38,7 +38,7 @@ from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps, check_models
-from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
+from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
 BACKENDS = ("auto", *backend_names())

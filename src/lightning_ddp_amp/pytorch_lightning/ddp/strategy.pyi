@@ -63,7 +63,7 @@ from lightning_ddp_amp.ddp.wrapper import (
     register_comm_hook,
     resolve_comm_hook,
 )
-from lightning_ddp_amp.errors import StrategyConfigurationError, whole_number
+from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,

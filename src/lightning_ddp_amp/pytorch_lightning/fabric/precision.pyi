@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps
-from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
+from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
 SETUP_MODELS = "lightning_ddp_amp.fabric.setup_models(fabric, [model_a, model_b], optimizer)"

@@ -41,9 +41,10 @@ from typing_extensions import override
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler
 from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
-from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError, whole_number
+from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 from lightning_ddp_amp.fabric.data import keep_script_epoch
 from lightning_ddp_amp.pytorch_lightning.fabric.precision import SETUP_MODELS, AmpPrecision
+from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import group_line, join_or_start, resolve_timeout
 from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
