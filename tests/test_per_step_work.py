@@ -17,9 +17,10 @@ pytestmark = pytest.mark.multiprocess
 
 #: Per-step work docs/strategy.md documents, and why it runs each step.
 DOCUMENTED = {
-    # Lightning asks the strategy for its device and ranks (cached properties, no computation).
-    "strategy.EnvDDPStrategy.parallel_devices",
-    "strategy.EnvDDPStrategy.cluster_environment",
+    # Lightning asks the strategy for its device and ranks (cached properties, no computation; the Trainer's and
+    # Fabric's envddp share them).
+    "reconciler.ReconciledTopology.parallel_devices",
+    "reconciler.ReconciledTopology.cluster_environment",
     # ... which hand over to the negotiated flags' cached values.
     "reconciler.TopologyReconciler.devices",
     "reconciler.TopologyReconciler.environment",
@@ -42,6 +43,7 @@ DOCUMENTED_AMP = DOCUMENTED | {
     "precision.AmpPrecision.backward",
     "precision.AmpPrecision.backward.<locals>.run_backward",
     # backward's check of the loss_id it is given (a few isinstance tests).
+    "settings.AmpSettings.check_loss_id",
     "errors.whole_number",
     "precision.AmpPrecision.convert_input",
     "precision.AmpPrecision.forward_context",
