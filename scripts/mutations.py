@@ -66,11 +66,54 @@ MUTATIONS = (
     ),
     Mutation(
         "o2-as-o3-for-ddp",
-        "the DDP options are chosen as if apex O2 kept no masters: bucket views, which apex's zero_grad cannot detach",
+        "apex O2 is taken for a level without masters: gradient_as_bucket_view=True, which its zero_grad cannot detach,"
+        " passes unrefused",
         "amp/apex_backend.py",
         '    def master_weights(cls, settings: AmpSettings) -> bool:\n        return settings.opt_level == "O2"\n',
         "    def master_weights(cls, settings: AmpSettings) -> bool:\n        return False\n",
-        ("tests/test_ddp_under_amp.py::test_gradients_are_bucket_views_unless_apex_keeps_master_weights",),
+        ("tests/test_ddp_under_amp.py::test_bucket_views_asked_for_under_apex_o2_name_both_settings_and_the_fix",),
+    ),
+    Mutation(
+        "bucket-views-under-apex",
+        "DDP's gradients are bucket views under apex O0/O1/O3, which alias apex's stash of accumulated gradients",
+        "ddp/wrapper.py",
+        '    return getattr(plugin, "backend", None) == "apex"\n',
+        '    return bool(getattr(plugin, "master_weights", False))\n',
+        ("tests/test_ddp_under_amp.py", "-k", "no_bucket_views_under_apex"),
+    ),
+    # --- Fabric ------------------------------------------------------------------------------------------------------
+    Mutation(
+        "fabric-epoch-from-fabrics-count",
+        "a resumed Fabric run shuffles by Fabric's own count of iterations, not the epoch the script sets",
+        "fabric/strategy.py",
+        "        keep_script_epoch(dataloader)\n",
+        "",
+        ("tests/test_fabric.py::test_the_fabric_script_ends_in_the_classic_scripts_weights[apex-O2]",),
+    ),
+    Mutation(
+        "fabric-accumulation-unscales",
+        "fabric.no_backward_sync leaves apex unscaling every micro-batch (no delay_unscale): its stash keeps the earlier"
+        " micro-batches out of DDP's all-reduce",
+        "fabric/strategy.py",
+        "                stack.enter_context(plugin.accumulating())\n",
+        "",
+        ("tests/test_fabric.py::test_the_fabric_script_ends_in_the_classic_scripts_weights[apex-O1]",),
+    ),
+    Mutation(
+        "fabric-zero-grad-torchs",
+        "Fabric's optimizer wrapper runs torch's zero_grad, not apex O2's: the fp16 model gradients accumulate",
+        "fabric/strategy.py",
+        "                _lightning.keep_fabric_zero_grad(optimizer)\n",
+        "                pass\n",
+        ("tests/test_fabric.py::test_zero_grad_of_fabrics_optimizer_is_apex_o2s",),
+    ),
+    Mutation(
+        "fabric-clip-raises-on-overflow",
+        "fabric.clip_gradients raises on the non-finite norm of a step apex skips (Fabric's error_if_nonfinite=True)",
+        "fabric/strategy.py",
+        "            error_if_nonfinite = False\n",
+        "            pass\n",
+        ("tests/test_fabric.py", "-k", "overflow_skips_the_step"),
     ),
     # --- the kwargs DDP really gets -------------------------------------------------------------------------------
     Mutation(

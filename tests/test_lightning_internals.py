@@ -642,3 +642,52 @@ def test_evaluation_metrics_are_what_this_validation_or_test_run_logged_and_not_
     trainer.test(Logs(), verbose=False)
     assert seen["validate"] == {"val_mean": 1.5, "val_both": 2.0, "val_both_epoch": 2.0}
     assert seen["test"] == {"test_sum": 3.0}
+
+
+def test_fabric_hook_is_installed_once() -> None:
+    from lightning.fabric.connector import _Connector
+
+    from lightning_ddp_amp import fabric
+    from lightning_ddp_amp.fabric.precision import resolve_precision_flag as resolve_fabric_flag
+
+    hooked = _Connector.__init__
+    _lightning.install_fabric_hook(resolve_fabric_flag, fabric.EnvDDPStrategy, fabric.AmpPrecision)
+    assert _Connector.__init__ is hooked
+
+
+def test_fabric_hook_reads_the_connector_arguments_it_hands_on() -> None:
+    from lightning.fabric.connector import _Connector
+
+    parameters = inspect.signature(_Connector.__init__).parameters
+    assert {"precision", "plugins", "devices", "num_nodes"} <= parameters.keys()
+
+
+def test_fabric_hook_hands_fabrics_raw_devices_and_num_nodes_to_envddp() -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_ddp_amp import fabric
+
+    class Recording(fabric.EnvDDPStrategy):
+        flags: dict[str, Any] | None = None
+
+        def check_fabric_flags(self, devices: Any, num_nodes: int) -> None:
+            self.flags = {"devices": devices, "num_nodes": num_nodes}
+
+    strategy = Recording()
+    Fabric(strategy=strategy, accelerator="cpu", devices="auto", num_nodes=1)
+    assert strategy.flags == {"devices": "auto", "num_nodes": 1}  # not the device count the connector made of it
+
+
+def test_fabrics_optimizer_is_told_apart_and_keeps_a_zero_grad_patched_on_the_optimizer() -> None:
+    from lightning.fabric.wrappers import _FabricOptimizer
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    calls: list[tuple[Any, ...]] = []
+    optimizer.zero_grad = lambda *args: calls.append(args)  # type: ignore[method-assign]  # as apex O2 patches it
+    _lightning.keep_fabric_zero_grad(optimizer)
+    wrapped = _FabricOptimizer(optimizer, strategy=None)  # type: ignore[arg-type]
+    assert _lightning.is_fabric_optimizer(wrapped) and not _lightning.is_fabric_optimizer(optimizer)
+    wrapped.zero_grad()
+    optimizer.zero_grad()
+    assert calls == [(), ()]
+    assert type(optimizer).__name__ == "SGD" and isinstance(optimizer, torch.optim.SGD)
