@@ -96,7 +96,7 @@ MUTATIONS = (
         " micro-batches out of DDP's all-reduce",
         "fabric/strategy.py",
         "                stack.enter_context(plugin.accumulating())\n",
-        "",
+        "                pass\n",
         ("tests/test_fabric.py::test_the_fabric_script_ends_in_the_classic_scripts_weights[apex-O1]",),
     ),
     Mutation(
