@@ -208,3 +208,26 @@ def test_cli_accepts_the_precision_strings_in_a_config(tmp_path: Path) -> None:
     assert isinstance(cli.trainer, pl.Trainer)
     assert type(cli.trainer.strategy) is plugins.EnvDDPStrategy
     assert type(cli.trainer.precision_plugin) is plugins.AmpPrecision
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import lightning_ddp_amp; import pytorch_lightning; import lightning_fabric as lf",
+        "import lightning_fabric as lf; import lightning_ddp_amp.pytorch_lightning",
+    ],
+    ids=["with-pytorch-lightning", "explicit"],
+)
+def test_standalone_fabric_knows_envddp_and_the_precision_strings(imports: str) -> None:
+    # lightning_fabric is the standalone Fabric: the flavour registers in its registry and hooks its connector.
+    code = (
+        f"{imports}\n"
+        "f = lf.Fabric(strategy='envddp', precision='native-O1', accelerator='cpu')\n"
+        "print(type(f.strategy).__module__, type(f.strategy.precision).__module__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [
+        "lightning_ddp_amp.pytorch_lightning.fabric.strategy",
+        "lightning_ddp_amp.pytorch_lightning.fabric.precision",
+    ]
