@@ -12,6 +12,7 @@ rank, refuses a Trainer argument that contradicts the launcher, and starts the r
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatc
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.launch.devices import select_devices
-from lightning_ddp_amp.launch.environment import Topology, read_topology
+from lightning_ddp_amp.launch.environment import Topology, read_topology, started_by
+from lightning_ddp_amp.launch.process_group import group_line, join_or_start, started_by_script
 from lightning_ddp_amp.rank_zero import log_once
 
 
@@ -244,6 +246,25 @@ class TopologyReconciler:
             f"envddp: no launcher variables, so one process trains on {'cuda' if on_cuda else 'cpu'}"
             f" ({self.front}(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
         )
+
+
+def join_process_group(
+    topology: Topology, backend: str, backend_given: bool, timeout: timedelta, device: torch.device
+) -> bool:
+    """Join or start the process group this rank trains in (:func:`~lightning_ddp_amp.launch.process_group.join_or_start`)
+    and say how on rank 0, for the Trainer's and Fabric's envddp alike.
+
+    Returns:
+        Whether there is a group; False when this process trains alone (said once, unless no launcher started it:
+        then ``start_missing_ranks`` said it).
+    """
+    how = join_or_start(topology, backend, backend_given, timeout, device)
+    if how is None:
+        if not started_by_script() and topology.launcher != "none":
+            log_once(f"envddp: 1 rank, {started_by(topology.launcher)}, so no process group")
+        return False
+    rank_zero_info(group_line(topology, backend, how))
+    return True
 
 
 def on_cuda_accelerator(accelerator: object) -> bool:

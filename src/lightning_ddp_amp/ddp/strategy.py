@@ -43,7 +43,12 @@ import lightning_ddp_amp._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.amp.precision import AmpPrecision
 from lightning_ddp_amp.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
-from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler, check_layer_sync
+from lightning_ddp_amp.ddp.reconciler import (
+    ReconciledTopology,
+    TopologyReconciler,
+    check_layer_sync,
+    join_process_group,
+)
 from lightning_ddp_amp.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -63,12 +68,9 @@ from lightning_ddp_amp.ddp.wrapper import (
     resolve_comm_hook,
 )
 from lightning_ddp_amp.launch import selflaunch
-from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
     explain_peer_failure,
-    group_line,
-    join_or_start,
     mean_of_integers,
     resolve_timeout,
     started_by_script,
@@ -252,13 +254,9 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             self._process_group_backend = backend
         if self.topology.is_distributed:
             check_comm_hook_backend(self._ddp_comm_hook, self._ddp_comm_wrapper, backend)
-        how = join_or_start(self.topology, backend, backend_given, self.timeout, self.root_device)
-        if how is None:
-            if not started_by_script() and self.topology.launcher != "none":  # without one, start_missing_ranks said it
-                log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
+        if not join_process_group(self.topology, backend, backend_given, self.timeout, self.root_device):
             return
         self._resume.setup_distributed()
-        rank_zero_info(group_line(self.topology, backend, how))
         self.barrier("envddp: process group ready")
         self._group_ready = True
 

@@ -102,7 +102,7 @@ class AmpPrecision(Precision):
     @property
     def flag(self) -> str:
         """How this plugin reads as ``Fabric(precision=...)``: ``"apex-O1"``, ``"native-O2"``, ..."""
-        family = {"apex": "apex", "native": "native"}[self.backend] if self._requested_backend != "auto" else "amp"
+        family = "amp" if self._requested_backend == "auto" else self.backend
         return f"{family}-{self.opt_level}"
 
     @property

@@ -28,7 +28,6 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -38,15 +37,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
-from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler
+from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler, join_process_group
 from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 from lightning_ddp_amp.fabric.data import keep_script_epoch
 from lightning_ddp_amp.fabric.precision import SETUP_MODELS, AmpPrecision
 from lightning_ddp_amp.launch import selflaunch
-from lightning_ddp_amp.launch.environment import started_by
-from lightning_ddp_amp.launch.process_group import group_line, join_or_start, resolve_timeout
-from lightning_ddp_amp.rank_zero import log_once
+from lightning_ddp_amp.launch.process_group import resolve_timeout
 
 
 class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
@@ -172,14 +169,9 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         self._set_world_ranks()
         backend_given = self._process_group_backend is not None
         backend = self._get_process_group_backend()
-        how = join_or_start(self.topology, backend, backend_given, self.timeout, self.root_device)
-        if how is None:
-            if self.topology.launcher != "none":
-                log_once(f"envddp: 1 rank, {started_by(self.topology.launcher)}, so no process group")
-            return
-        self._process_group_backend = backend
-        rank_zero_info(group_line(self.topology, backend, how))
-        self.barrier()
+        if join_process_group(self.topology, backend, backend_given, self.timeout, self.root_device):
+            self._process_group_backend = backend
+            self.barrier()
 
     @override
     def setup_module_and_optimizers(

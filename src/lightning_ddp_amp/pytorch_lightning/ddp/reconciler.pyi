@@ -13,6 +13,7 @@ rank, refuses a Trainer argument that contradicts the launcher, and starts the r
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatc
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.launch.devices import select_devices
-from lightning_ddp_amp.launch.environment import Topology, read_topology
+from lightning_ddp_amp.launch.environment import Topology, read_topology, started_by
+from lightning_ddp_amp.launch.process_group import group_line, join_or_start, started_by_script
 from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
 
 
@@ -133,6 +135,19 @@ class TopologyReconciler:
             StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
         """
         ...
+
+
+def join_process_group(
+    topology: Topology, backend: str, backend_given: bool, timeout: timedelta, device: torch.device
+) -> bool:
+    """Join or start the process group this rank trains in (:func:`~lightning_ddp_amp.launch.process_group.join_or_start`)
+    and say how on rank 0, for the Trainer's and Fabric's envddp alike.
+
+    Returns:
+        Whether there is a group; False when this process trains alone (said once, unless no launcher started it:
+        then ``start_missing_ranks`` said it).
+    """
+    ...
 
 
 def on_cuda_accelerator(accelerator: object) -> bool:

@@ -44,7 +44,12 @@ import lightning_ddp_amp.pytorch_lightning._lightning as _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
 from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision
 from lightning_ddp_amp.pytorch_lightning.ddp.position import align_resumed_epoch, check_resumed_positions, explain_loader_state_mismatch
-from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler, check_layer_sync
+from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import (
+    ReconciledTopology,
+    TopologyReconciler,
+    check_layer_sync,
+    join_process_group,
+)
 from lightning_ddp_amp.pytorch_lightning.ddp.resume import (
     AtomicCheckpointIO,
     AutoResume,
@@ -64,12 +69,9 @@ from lightning_ddp_amp.ddp.wrapper import (
     resolve_comm_hook,
 )
 from lightning_ddp_amp.launch import selflaunch
-from lightning_ddp_amp.launch.environment import started_by
 from lightning_ddp_amp.launch.process_group import (
     broadcast_module_states,
     explain_peer_failure,
-    group_line,
-    join_or_start,
     mean_of_integers,
     resolve_timeout,
     started_by_script,

@@ -29,7 +29,6 @@ from lightning_fabric import Fabric
 from lightning_fabric.accelerators.accelerator import Accelerator
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning_fabric.strategies.ddp import DDPStrategy
-from lightning_fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -39,15 +38,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
-from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler
+from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler, join_process_group
 from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 from lightning_ddp_amp.fabric.data import keep_script_epoch
 from lightning_ddp_amp.pytorch_lightning.fabric.precision import SETUP_MODELS, AmpPrecision
 from lightning_ddp_amp.launch import selflaunch
-from lightning_ddp_amp.launch.environment import started_by
-from lightning_ddp_amp.launch.process_group import group_line, join_or_start, resolve_timeout
-from lightning_ddp_amp.pytorch_lightning.rank_zero import log_once
+from lightning_ddp_amp.launch.process_group import resolve_timeout
 
 
 class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
