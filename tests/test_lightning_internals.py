@@ -44,8 +44,10 @@ def test_tested_range_covers_the_installed_lightning() -> None:
 
 
 def test_trainer_hook_is_installed_once() -> None:
+    from lightning_ddp_amp import fabric
+
     hooked = _AcceleratorConnector.__init__
-    _lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision)
+    _lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision, fabric.EnvDDPStrategy)
     assert _AcceleratorConnector.__init__ is hooked
 
 
@@ -651,7 +653,7 @@ def test_fabric_hook_is_installed_once() -> None:
     from lightning_ddp_amp.fabric.precision import resolve_precision_flag as resolve_fabric_flag
 
     hooked = _Connector.__init__
-    _lightning.install_fabric_hook(resolve_fabric_flag, fabric.EnvDDPStrategy, fabric.AmpPrecision)
+    _lightning.install_fabric_hook(resolve_fabric_flag, fabric.EnvDDPStrategy, fabric.AmpPrecision, EnvDDPStrategy)
     assert _Connector.__init__ is hooked
 
 

@@ -15,6 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import free_port, needs_cpu_fp16, worker_env
+from lightning.fabric import Fabric
+from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
@@ -28,6 +31,7 @@ from lightning_ddp_amp import (
     TopologyMismatchError,
 )
 from lightning_ddp_amp.ddp.wrapper import DEVIATIONS
+from lightning_ddp_amp.fabric import EnvDDPStrategy as FabricEnvDDPStrategy
 from lightning_ddp_amp.launch import process_group, selflaunch
 from lightning_ddp_amp.launch.environment import Topology
 
@@ -613,3 +617,61 @@ def test_lightnings_epoch_mean_divides_by_a_reduced_count_under_apex_o1(script_g
     assert (mean.dtype, mean.item()) == (torch.float32, 1.5)
     with pytest.raises(NotImplementedError, match="Do not know how to handle these types to promote"):
         torch.tensor(6.0) / torch.tensor(4.0, dtype=torch.float64)  # what a float64 count met under apex O1
+
+
+# --- an envddp instance handed to the Trainer or to Fabric -------------------------------------------------------
+
+
+def test_the_trainers_envddp_built_with_its_accelerator_builds_a_trainer_on_that_accelerator() -> None:
+    accelerator = CPUAccelerator()
+    t = L.Trainer(strategy=EnvDDPStrategy(accelerator=accelerator), logger=False, enable_progress_bar=False)
+    assert t.accelerator is accelerator
+    assert (t.num_devices, t.strategy.root_device) == (1, torch.device("cpu"))
+
+
+def test_fabrics_envddp_built_with_fabrics_accelerator_builds_and_trains_one_process() -> None:
+    accelerator = FabricCPUAccelerator()
+    fabric = Fabric(strategy=FabricEnvDDPStrategy(accelerator=accelerator))
+    assert fabric.accelerator is accelerator
+    fabric.launch()
+    module = torch.nn.Linear(4, 1)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    before = module.weight.detach().clone()
+    fabric.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    assert (fabric.world_size, model.device) == (1, torch.device("cpu"))
+    assert not torch.equal(module.weight, before)
+
+
+def test_fabrics_envddp_built_with_its_accelerator_takes_the_launchers_devices(two_ranks: None) -> None:
+    fabric = Fabric(strategy=FabricEnvDDPStrategy(accelerator=FabricCPUAccelerator()))
+    assert (fabric.world_size, fabric.global_rank, fabric.strategy.root_device) == (2, 1, torch.device("cpu"))
+    assert fabric.strategy.parallel_devices == [torch.device("cpu")] * 2
+
+
+def test_a_strategy_whose_fabric_is_refused_keeps_its_accelerator() -> None:
+    accelerator = FabricCPUAccelerator()
+    strategy = FabricEnvDDPStrategy(accelerator=accelerator)
+    with pytest.raises(ValueError, match="cluster_environment set through both strategy class and plugins"):
+        Fabric(strategy=strategy, plugins=[LightningEnvironment()])
+    assert strategy.accelerator is accelerator
+
+
+def test_the_trainers_envddp_handed_to_fabric_is_refused_naming_fabrics_import() -> None:
+    with pytest.raises(StrategyConfigurationError) as raised:
+        Fabric(strategy=EnvDDPStrategy(), accelerator="cpu")  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "strategy='lightning_ddp_amp.EnvDDPStrategy(...)': it is the Trainer's envddp, built on the Trainer's strategy"
+        " classes, which Fabric cannot run. Fix: use Fabric's: `from lightning_ddp_amp.fabric import EnvDDPStrategy`,"
+        ' or Fabric(strategy="envddp")'
+    )
+
+
+def test_fabrics_envddp_handed_to_the_trainer_is_refused_naming_the_trainers_import() -> None:
+    with pytest.raises(StrategyConfigurationError) as raised:
+        trainer(strategy=FabricEnvDDPStrategy())
+    assert str(raised.value) == (
+        "strategy='lightning_ddp_amp.fabric.EnvDDPStrategy(...)': it is Fabric's envddp, built on Fabric's strategy"
+        " classes, which the Trainer cannot run. Fix: use the Trainer's: `from lightning_ddp_amp import"
+        ' EnvDDPStrategy`, or Trainer(strategy="envddp")'
+    )

@@ -52,7 +52,6 @@ __all__ = [
 
 if EnvDDPStrategy.strategy_name not in StrategyRegistry:
     EnvDDPStrategy.register_strategies(StrategyRegistry)
-_lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision)
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  # noqa: E402
 
@@ -61,7 +60,11 @@ from lightning_ddp_amp.fabric import precision as _fabric_precision  # noqa: E40
 
 if fabric.EnvDDPStrategy.strategy_name not in FABRIC_STRATEGIES:
     fabric.EnvDDPStrategy.register_strategies(FABRIC_STRATEGIES)
-_lightning.install_fabric_hook(_fabric_precision.resolve_precision_flag, fabric.EnvDDPStrategy, fabric.AmpPrecision)
+# Each front door's hook refuses the other's envddp, so both are installed once both classes exist.
+_lightning.install_trainer_hook(resolve_precision_flag, EnvDDPStrategy, AmpPrecision, fabric.EnvDDPStrategy)
+_lightning.install_fabric_hook(
+    _fabric_precision.resolve_precision_flag, fabric.EnvDDPStrategy, fabric.AmpPrecision, EnvDDPStrategy
+)
 
 if __name__ == "lightning_ddp_amp":  # not in lightning_ddp_amp.pytorch_lightning, which is built from this file
     from lightning_ddp_amp import _namespaces

@@ -11,12 +11,14 @@ module imports a private Lightning name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import sys
 import typing
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import lightning
@@ -49,6 +51,8 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from packaging.version import Version
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Sampler
+
+from lightning_ddp_amp.errors import StrategyConfigurationError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -94,7 +98,10 @@ PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
 
 
 def install_trainer_hook(
-    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+    resolve_precision: PrecisionResolver,
+    strategy_class: type[Any],
+    precision_class: type[Any],
+    fabric_strategy_class: type[Any],
 ) -> None:
     """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
@@ -109,9 +116,14 @@ def install_trainer_hook(
       and ``num_nodes`` (``check_trainer_flags``), then calls its ``start_missing_ranks`` (envddp without a launcher
       starts its ranks there). When the precision plugin is ``precision_class``, it is handed the finished strategy
       and accelerator (``check_trainer_setup``).
+    * ``strategy_class(accelerator=...)``: its accelerator is handed to the connector as ``Trainer(accelerator=...)``
+      (:func:`_hand_over_accelerator` says why).
+    * ``fabric_strategy_class`` (Fabric's envddp) is refused with the import of the Trainer's; Lightning's own refusal
+      does not say which class to use.
 
     Any other Trainer is built by Lightning alone: its strategy, precision plugin and environment are Lightning's.
-    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own.
+    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own but
+    :mod:`lightning_ddp_amp.errors`.
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
@@ -119,6 +131,10 @@ def install_trainer_hook(
         strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.EnvDDPStrategy`).
         precision_class: The precision plugin that checks the finished Trainer
             (:class:`~lightning_ddp_amp.AmpPrecision`).
+        fabric_strategy_class: Fabric's envddp (:class:`lightning_ddp_amp.fabric.EnvDDPStrategy`), refused.
+
+    Raises:
+        StrategyConfigurationError: ``Trainer(strategy=fabric_strategy_class(...))``.
     """
     if getattr(_AcceleratorConnector.__init__, _MARK, False):
         return
@@ -137,12 +153,15 @@ def install_trainer_hook(
         arguments = signature.bind(self, *args, **kwargs)
         arguments.apply_defaults()
         given = arguments.arguments
+        _refuse_other_front(given["strategy"], fabric_strategy_class, strategy_class, "Trainer")
         precision, plugins = resolve_precision(given["precision"], given["plugins"])
-        if precision is given["precision"] and plugins is given["plugins"]:
-            original(self, *args, **kwargs)
-        else:
-            given["precision"], given["plugins"] = precision, plugins
-            original(*arguments.args, **arguments.kwargs)
+        unchanged = precision is given["precision"] and plugins is given["plugins"]
+        given["precision"], given["plugins"] = precision, plugins
+        with _hand_over_accelerator(given, strategy_class) as handed_over:
+            if unchanged and not handed_over:
+                original(self, *args, **kwargs)
+            else:
+                original(*arguments.args, **arguments.kwargs)
         strategy: Any = self.strategy
         if isinstance(strategy, strategy_class):
             strategy.check_trainer_flags(
@@ -161,7 +180,10 @@ def install_trainer_hook(
 
 
 def install_fabric_hook(
-    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+    resolve_precision: PrecisionResolver,
+    strategy_class: type[Any],
+    precision_class: type[Any],
+    trainer_strategy_class: type[Any],
 ) -> None:
     """Hook this package into ``Fabric.__init__``, which builds a ``_Connector`` from its arguments.
 
@@ -170,12 +192,17 @@ def install_fabric_hook(
     before Fabric sees it; any other value reaches Fabric unchanged. When the strategy is ``strategy_class`` it gets
     Fabric's raw ``devices`` and ``num_nodes`` (``check_fabric_flags``: Fabric overwrites a strategy's ``num_nodes``
     with its own), and a ``precision_class`` plugin gets the finished strategy and device (``check_fabric_setup``).
-    Idempotent.
+    A ``strategy_class`` built with its accelerator hands it to the connector as ``Fabric(accelerator=...)``
+    (:func:`_hand_over_accelerator`), and the Trainer's envddp is refused with the import of Fabric's. Idempotent.
 
     Args:
         resolve_precision: :func:`lightning_ddp_amp.fabric.precision.resolve_precision_flag`.
         strategy_class: :class:`lightning_ddp_amp.fabric.EnvDDPStrategy`.
         precision_class: :class:`lightning_ddp_amp.fabric.AmpPrecision`.
+        trainer_strategy_class: The Trainer's envddp (:class:`lightning_ddp_amp.EnvDDPStrategy`), refused.
+
+    Raises:
+        StrategyConfigurationError: ``Fabric(strategy=trainer_strategy_class(...))``.
     """
     if getattr(_Connector.__init__, _MARK, False):
         return
@@ -187,8 +214,10 @@ def install_fabric_hook(
         arguments = signature.bind(self, *args, **kwargs)
         arguments.apply_defaults()
         given = arguments.arguments
+        _refuse_other_front(given["strategy"], trainer_strategy_class, strategy_class, "Fabric")
         given["precision"], given["plugins"] = resolve_precision(given["precision"], given["plugins"])
-        original(*arguments.args, **arguments.kwargs)
+        with _hand_over_accelerator(given, strategy_class):
+            original(*arguments.args, **arguments.kwargs)
         strategy: Any = self.strategy
         if isinstance(strategy, strategy_class):
             strategy.check_fabric_flags(devices=given["devices"], num_nodes=given["num_nodes"])
@@ -198,6 +227,62 @@ def install_fabric_hook(
 
     setattr(__init__, _MARK, True)
     _Connector.__init__ = __init__  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _hand_over_accelerator(given: dict[str, Any], strategy_class: type[Any]) -> Iterator[bool]:
+    """Hand the accelerator of ``strategy_class(accelerator=...)`` to the connector as its ``accelerator`` argument,
+    while the connector runs; yield whether there was one to hand over.
+
+    Why: the connector refuses a strategy that has both an accelerator and ``parallel_devices`` ("CPU parallel_devices
+    set through EnvDDPStrategy class, but accelerator set to <CPUAccelerator ...>": it compares the accelerator to
+    device names only), and envddp's devices answer from the launcher as soon as the accelerator is known, where
+    Lightning's ``DDPStrategy`` has none until the connector sets them. As the connector's argument the same
+    accelerator takes Lightning's own path, and the connector sets it back on the strategy (so does this function
+    when the connector fails). An ``accelerator=`` given beside it is left for Lightning to refuse ("set through
+    both").
+    """
+    strategy = given["strategy"]
+    accelerator = strategy.accelerator if isinstance(strategy, strategy_class) else None
+    if accelerator is None or not (isinstance(given["accelerator"], str) and given["accelerator"] == "auto"):
+        yield False
+        return
+    given["accelerator"], strategy.accelerator = accelerator, None
+    try:
+        yield True
+    finally:
+        if strategy.accelerator is None:
+            strategy.accelerator = accelerator
+
+
+def _refuse_other_front(strategy: object, other_class: type[Any], own_class: type[Any], front: str) -> None:
+    """Refuse the other front door's envddp (the Trainer's given to Fabric, or Fabric's to the Trainer), naming the
+    import of this one's. Why: Lightning's own refusal ("You selected an invalid strategy name") does not say which.
+
+    Raises:
+        StrategyConfigurationError: ``strategy`` is an ``other_class``.
+    """
+    if isinstance(strategy, other_class):
+        the = {"Trainer": "the Trainer", "Fabric": "Fabric"}
+        other = "Fabric" if front == "Trainer" else "Trainer"
+        raise StrategyConfigurationError(
+            "strategy",
+            f"{_exported_by(other_class)}.{other_class.__name__}(...)",
+            f"it is {the[other]}'s envddp, built on {the[other]}'s strategy classes, which {the[front]} cannot run",
+            f"use {the[front]}'s: `from {_exported_by(own_class)} import {own_class.__name__}`, or"
+            f' {front}(strategy="envddp")',
+        )
+
+
+def _exported_by(cls: type[Any]) -> str:
+    """The shortest package path that exports ``cls``: ``lightning_ddp_amp`` for the Trainer's envddp,
+    ``lightning_ddp_amp.fabric`` for Fabric's, and their ``pytorch_lightning`` flavour's likewise."""
+    parts = cls.__module__.split(".")
+    for end in range(1, len(parts)):
+        package = ".".join(parts[:end])
+        if getattr(sys.modules.get(package), cls.__name__, None) is cls:
+            return package
+    return cls.__module__
 
 
 def is_fabric_optimizer(value: object) -> bool:

@@ -55,3 +55,5 @@ from lightning_fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  
 
 from lightning_ddp_amp.pytorch_lightning import fabric  # noqa: E402
 from lightning_ddp_amp.pytorch_lightning.fabric import precision as _fabric_precision  # noqa: E402
+
+# Each front door's hook refuses the other's envddp, so both are installed once both classes exist.

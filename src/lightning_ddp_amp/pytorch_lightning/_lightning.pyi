@@ -12,12 +12,14 @@ module imports a private Lightning name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import sys
 import typing
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as lightning
@@ -50,6 +52,8 @@ from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwarg
 from packaging.version import Version
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Sampler
+
+from lightning_ddp_amp.errors import StrategyConfigurationError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -95,7 +99,10 @@ PrecisionResolver = Callable[[object, Any], tuple[object, Any]]
 
 
 def install_trainer_hook(
-    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+    resolve_precision: PrecisionResolver,
+    strategy_class: type[Any],
+    precision_class: type[Any],
+    fabric_strategy_class: type[Any],
 ) -> None:
     """Hook this package into ``Trainer.__init__``, which builds an ``_AcceleratorConnector`` from its arguments.
 
@@ -110,9 +117,14 @@ def install_trainer_hook(
       and ``num_nodes`` (``check_trainer_flags``), then calls its ``start_missing_ranks`` (envddp without a launcher
       starts its ranks there). When the precision plugin is ``precision_class``, it is handed the finished strategy
       and accelerator (``check_trainer_setup``).
+    * ``strategy_class(accelerator=...)``: its accelerator is handed to the connector as ``Trainer(accelerator=...)``
+      (:func:`_hand_over_accelerator` says why).
+    * ``fabric_strategy_class`` (Fabric's envddp) is refused with the import of the Trainer's; Lightning's own refusal
+      does not say which class to use.
 
     Any other Trainer is built by Lightning alone: its strategy, precision plugin and environment are Lightning's.
-    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own.
+    Idempotent. The package hands over its resolver and classes, so that this module imports none of its own but
+    :mod:`lightning_ddp_amp.errors`.
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
@@ -120,12 +132,19 @@ def install_trainer_hook(
         strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy`).
         precision_class: The precision plugin that checks the finished Trainer
             (:class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`).
+        fabric_strategy_class: Fabric's envddp (:class:`lightning_ddp_amp.fabric.EnvDDPStrategy`), refused.
+
+    Raises:
+        StrategyConfigurationError: ``Trainer(strategy=fabric_strategy_class(...))``.
     """
     ...
 
 
 def install_fabric_hook(
-    resolve_precision: PrecisionResolver, strategy_class: type[Any], precision_class: type[Any]
+    resolve_precision: PrecisionResolver,
+    strategy_class: type[Any],
+    precision_class: type[Any],
+    trainer_strategy_class: type[Any],
 ) -> None:
     """Hook this package into ``Fabric.__init__``, which builds a ``_Connector`` from its arguments.
 
@@ -134,13 +153,50 @@ def install_fabric_hook(
     before Fabric sees it; any other value reaches Fabric unchanged. When the strategy is ``strategy_class`` it gets
     Fabric's raw ``devices`` and ``num_nodes`` (``check_fabric_flags``: Fabric overwrites a strategy's ``num_nodes``
     with its own), and a ``precision_class`` plugin gets the finished strategy and device (``check_fabric_setup``).
-    Idempotent.
+    A ``strategy_class`` built with its accelerator hands it to the connector as ``Fabric(accelerator=...)``
+    (:func:`_hand_over_accelerator`), and the Trainer's envddp is refused with the import of Fabric's. Idempotent.
 
     Args:
         resolve_precision: :func:`lightning_ddp_amp.pytorch_lightning.fabric.precision.resolve_precision_flag`.
         strategy_class: :class:`lightning_ddp_amp.fabric.EnvDDPStrategy`.
         precision_class: :class:`lightning_ddp_amp.fabric.AmpPrecision`.
+        trainer_strategy_class: The Trainer's envddp (:class:`lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy`), refused.
+
+    Raises:
+        StrategyConfigurationError: ``Fabric(strategy=trainer_strategy_class(...))``.
     """
+    ...
+
+
+@contextlib.contextmanager
+def _hand_over_accelerator(given: dict[str, Any], strategy_class: type[Any]) -> Iterator[bool]:
+    """Hand the accelerator of ``strategy_class(accelerator=...)`` to the connector as its ``accelerator`` argument,
+    while the connector runs; yield whether there was one to hand over.
+
+    Why: the connector refuses a strategy that has both an accelerator and ``parallel_devices`` ("CPU parallel_devices
+    set through EnvDDPStrategy class, but accelerator set to <CPUAccelerator ...>": it compares the accelerator to
+    device names only), and envddp's devices answer from the launcher as soon as the accelerator is known, where
+    Lightning's ``DDPStrategy`` has none until the connector sets them. As the connector's argument the same
+    accelerator takes Lightning's own path, and the connector sets it back on the strategy (so does this function
+    when the connector fails). An ``accelerator=`` given beside it is left for Lightning to refuse ("set through
+    both").
+    """
+    ...
+
+
+def _refuse_other_front(strategy: object, other_class: type[Any], own_class: type[Any], front: str) -> None:
+    """Refuse the other front door's envddp (the Trainer's given to Fabric, or Fabric's to the Trainer), naming the
+    import of this one's. Why: Lightning's own refusal ("You selected an invalid strategy name") does not say which.
+
+    Raises:
+        StrategyConfigurationError: ``strategy`` is an ``other_class``.
+    """
+    ...
+
+
+def _exported_by(cls: type[Any]) -> str:
+    """The shortest package path that exports ``cls``: ``lightning_ddp_amp`` for the Trainer's envddp,
+    ``lightning_ddp_amp.fabric`` for Fabric's, and their ``pytorch_lightning`` flavour's likewise."""
     ...
 
 
