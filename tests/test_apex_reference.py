@@ -92,12 +92,13 @@ def apex_o1(preloaded: Preloaded, runs: Path) -> Pair:
 
 @pytest.fixture(scope="module")
 def apex_o2(preloaded: Preloaded, runs: Path) -> Pair:
-    """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under torch DDP."""
+    """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under torch DDP, each rank seeded apart: the DDP wrap
+    gives every rank rank 0's weights, and the masters must be built from those."""
     return train_pair(
         preloaded,
         runs / "apex-O2",
-        envddp=["--precision", "apex-O2"],
-        reference=["train_apex_recipe.py", "--opt-level", "O2"],
+        envddp=["--precision", "apex-O2", "--seed-per-rank"],
+        reference=["train_apex_recipe.py", "--opt-level", "O2", "--seed-per-rank"],
     )
 
 
@@ -114,12 +115,13 @@ def apex_o3(preloaded: Preloaded, runs: Path) -> Pair:
 
 @pytest.fixture(scope="module")
 def apex_o2_apex_ddp(preloaded: Preloaded, runs: Path) -> Pair:
-    """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under apex.parallel.DistributedDataParallel."""
+    """apex O2 (fp16 model, fp32 master weights, fp32 BatchNorm) under apex.parallel.DistributedDataParallel, each
+    rank seeded apart, as under torch DDP."""
     return train_pair(
         preloaded,
         runs / "apex-O2-apex-ddp",
-        envddp=["--precision", "apex-O2", "--ddp-impl", "apex"],
-        reference=["train_apex_recipe.py", "--opt-level", "O2", "--ddp-impl", "apex"],
+        envddp=["--precision", "apex-O2", "--ddp-impl", "apex", "--seed-per-rank"],
+        reference=["train_apex_recipe.py", "--opt-level", "O2", "--ddp-impl", "apex", "--seed-per-rank"],
     )
 
 

@@ -234,7 +234,7 @@ def test_a_second_setup_is_refused_under_apex_naming_the_call_and_trains_elsewhe
     for report in run.reports:
         if uses_apex(run):
             assert report["second_setup_refused"].startswith(
-                f"call='fabric.setup(model, optimizer)': under precision {run.precision!r} it would call"
+                f"call='fabric.setup(model, optimizer)': under precision 'apex-{run.precision[-2:]}' it would call"
                 " amp.initialize again, but apex supports one amp.initialize per process"
             )
             assert "setup_models(fabric, [model_a, model_b], optimizer)" in report["second_setup_refused"]

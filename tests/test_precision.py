@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import Flavour, _forget_apex, needs_cpu_fp16
+from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
@@ -26,6 +27,7 @@ from lightning_ddp_amp import (
     StrategyConfigurationError,
 )
 from lightning_ddp_amp.amp.native_backend import NativeAmp
+from lightning_ddp_amp.fabric import AmpPrecision as FabricAmpPrecision
 
 DATA = TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.randn(32, 1))
 
@@ -1081,6 +1083,14 @@ def test_an_eps_float16_holds_or_fp32_master_weights_train_adam(
 ) -> None:
     t = fit(AdamTwoModels(eps=eps), plugins=[AmpPrecision(opt_level=level, backend="apex")])
     assert t.global_step == 8
+
+
+def test_fabrics_messages_name_the_backend_that_runs_a_plugin_left_to_choose(apex_double: ModuleType) -> None:
+    fabric = Fabric(strategy="envddp", plugins=[FabricAmpPrecision("O3")], accelerator="cpu")
+    fabric.launch()
+    with pytest.raises(PrecisionConfigurationError) as raised:
+        fabric.setup_module(torch.nn.Linear(8, 1))
+    assert "under precision 'apex-O3' amp.initialize needs the model together with its optimizer" in str(raised.value)
 
 
 # --- apex's registration API (a function on none of O1's lists) ---------------------------------------------------

@@ -36,6 +36,7 @@ parser.add_argument("--overflow-at-step", type=int, default=-1, help="multiply t
 parser.add_argument("--checkpoint", action="store_true", help="save the last checkpoint to OUT/last.ckpt")
 parser.add_argument("--resume", default=None, help="checkpoint to resume from")
 parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+parser.add_argument("--seed-per-rank", action="store_true", help="each rank builds its models from SEED + RANK")
 args = parser.parse_args()
 out = Path(args.out)
 if args.accelerator == "cuda":
@@ -63,7 +64,7 @@ class RecordingEnvDDPStrategy(EnvDDPStrategy):
 class TwoModels(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(SEED)
+        torch.manual_seed(SEED + int(os.environ["RANK"]) if args.seed_per_rank else SEED)
         self.model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh())
         self.model_b = torch.nn.Linear(16, 1)
         self.hidden_dtypes: set[str] = set()

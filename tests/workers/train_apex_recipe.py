@@ -34,6 +34,7 @@ parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
 parser.add_argument("--save-classic", default=None, help="where rank 0 saves the classic checkpoint")
 parser.add_argument("--save-after", type=int, default=1, help="the epochs done when --save-classic saves")
 parser.add_argument("--resume-classic", default=None, help="a classic checkpoint to continue")
+parser.add_argument("--seed-per-rank", action="store_true", help="each rank builds its models from SEED + RANK")
 args = parser.parse_args()
 
 rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -48,8 +49,10 @@ else:
     device = torch.device("cpu")
     dist.init_process_group("gloo")
 
-# train_amp.py's TwoModels: the same seed, the same order of construction.
-torch.manual_seed(SEED)
+# train_amp.py's TwoModels: the same seed, the same order of construction. With --seed-per-rank the ranks start
+# from different weights, as apex's ImageNet example seeds each rank with --deterministic: the DDP wrap gives them
+# rank 0's, and apex O2 builds its fp32 masters at the first backward, after the wrap.
+torch.manual_seed(SEED + rank if args.seed_per_rank else SEED)
 model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()).to(device)
 model_b = torch.nn.Linear(16, 1).to(device)
 parameters = list(model_a.parameters()) + list(model_b.parameters())

@@ -79,6 +79,7 @@ class ApexAmp(AmpBackend):
         self.options = options
         self._pending_loss_scalers: list[dict[str, float]] | None = None
         self._pending_master_weights: list[Tensor] | None = None
+        self._masters_restored = False
         self._optimizers: list[Optimizer] = []
         self._cast_batch = False
 
@@ -159,7 +160,8 @@ class ApexAmp(AmpBackend):
         self._optimizers = list(optimizers)
         for optimizer in optimizers:
             # apex builds O2's fp32 master weights lazily, at the first backward. Build them now, so that an
-            # optimizer state restored from a checkpoint is cast to the fp32 masters, not to the fp16 params.
+            # optimizer state restored from a checkpoint is cast to the fp32 masters, not to the fp16 params; the
+            # DDP wrap that follows gives them rank 0's weights (models_wrapped).
             lazy_init = getattr(optimizer, "_amp_lazy_init", None)
             if callable(lazy_init):
                 lazy_init()
@@ -249,6 +251,16 @@ class ApexAmp(AmpBackend):
         self._cast_batch = selected == [model] and self.opt_level in ("O2", "O3")
         if self._cast_batch:
             _BATCH_CAST.add(model)
+
+    @override
+    def models_wrapped(self) -> None:
+        """O2: copy the fp16 model weights, rank 0's since the DDP wrap, into the fp32 masters built at
+        ``amp.initialize`` from this rank's own: apex builds them at the first backward, after the wrap, so a rank that
+        started from other weights trains rank 0's. Masters restored from a checkpoint are kept."""
+        if self._masters_restored:
+            return
+        for model_param, master in self.master_weight_pairs():
+            master.data.copy_(model_param.data)
 
     @override
     def evaluate(self, model: Module) -> None:
@@ -378,6 +390,7 @@ class ApexAmp(AmpBackend):
             )
         for master, value in zip(masters, saved, strict=True):
             master.data.copy_(value)
+        self._masters_restored = True
 
 
 def _is_ddp_wrapper(model: Module) -> bool:

@@ -129,6 +129,10 @@ class AmpBackend(abc.ABC):
         """Take the model and its raw optimizers, before any DDP wrap (``Precision.connect``, with optimizers);
         ``selected`` are the modules handed to ``amp.initialize``."""
 
+    def models_wrapped(self) -> None:  # noqa: B027 (optional hook)
+        """The connected models are wrapped in DDP, whose constructor gave every rank rank 0's weights: the weights the
+        recipe's first backward sees. Called by envddp on both front doors."""
+
     def evaluate(self, model: Module) -> None:  # noqa: B027 (optional hook)
         """Get ready to evaluate ``model`` (validate, test, predict): after a fit of it in this process, as that fit
         left it; a model no fit connected runs as built."""

@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
+from lightning_ddp_amp.amp.loss_optimizers import LossOptimizers
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps, check_models
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
@@ -103,7 +104,7 @@ class AmpPrecision(Precision):
         self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
         self._built: AmpBackend | None = None
         self._device_type: str | None = None
-        self._optimizers: list[Optimizer] = []
+        self._optimizers = LossOptimizers("self.manual_backward")
         self._model: Module | None = None
         self._skipped: dict[int, bool] = {}
         self._stepping = False
@@ -177,12 +178,19 @@ class AmpPrecision(Precision):
             self.amp_backend.evaluate(model)
             return model, optimizers, lr_schedulers
         self._check_half_steps(model, optimizers)
+        self._optimizers = LossOptimizers("self.manual_backward")
+        self._optimizers.add(optimizers)  # before amp.initialize, which may swap O2's parameters for masters
         self.amp_backend.connect(model, self._selected(model), optimizers)
-        self._optimizers = list(optimizers)
         self._model = model
         if self.amp_backend.may_skip_steps:
             lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
+
+    def models_wrapped(self) -> None:
+        """The connected models are wrapped in DDP (every rank holds rank 0's weights): apex O2 takes them into its
+        fp32 masters, as the recipe's first backward after the wrap does; envddp calls this."""
+        if self._built is not None:
+            self._built.models_wrapped()
 
     def _check_half_steps(self, model: Module, optimizers: list[Optimizer]) -> None:
         """Refuse an ``eps`` that rounds to 0 where the optimizer steps half-precision weights (:func:`check_half_steps
@@ -282,20 +290,21 @@ class AmpPrecision(Precision):
             optimizer: The optimizer being stepped; None under manual optimization.
             *args: Passed on to ``LightningModule.backward``.
             loss_id: Which loss scaler scales this loss (``num_losses=2`` gives a second loss its own).
-            optimizers: The optimizers whose parameters this loss reaches, for apex. Default: ``optimizer``, or
-                under manual optimization all of them.
+            optimizers: The optimizers this loss is scaled for, as the classic ``amp.scale_loss(loss, optimizers)``
+                named them. Default: ``optimizer``; under manual optimization the one optimizer whose parameters
+                the loss reaches (:mod:`~lightning_ddp_amp.amp.loss_optimizers`).
             delay_unscale: True keeps apex from unscaling (gradient accumulation). Default: unscale only in
                 the backward of the micro-batch that steps.
             **kwargs: Passed on to ``LightningModule.backward``.
 
         Raises:
-            PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers.
+            PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers, or
+                the loss reaches the parameters of several optimizers and ``optimizers`` does not name them.
         """
         self._settings.check_loss_id(loss_id)
-        if optimizers is None:
-            chosen = [optimizer] if optimizer is not None else self._optimizers
-        else:
-            chosen = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        if optimizers is None and optimizer is not None:
+            optimizers = optimizer  # automatic optimization: the optimizer being stepped
+        chosen = self._optimizers.choose(tensor, optimizers, loss_id)
         if delay_unscale is None:
             # Automatic optimization runs the final micro-batch's backward inside optimizer_step; earlier
             # micro-batches of an accumulation window keep their gradients scaled, as apex recommends.

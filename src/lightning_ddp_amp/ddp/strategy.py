@@ -63,6 +63,7 @@ from lightning_ddp_amp.ddp.wrapper import (
     DDPOptions,
     check_comm_hook_backend,
     check_precision_plugin,
+    explain_unused_parameters,
     holds_gradients,
     register_comm_hook,
     resolve_comm_hook,
@@ -283,12 +284,16 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             _lightning.optimizers_to_device(self.optimizers, self.root_device)
         if not self.topology.is_distributed:
             return
-        if fitting:
-            # 6. DDP wraps last, around whatever the precision plugin returned.
-            self.configure_ddp()
-        else:
+        if not fitting:
             # No DDP wrapper outside fit: start every rank from rank 0's weights, as DDP's constructor would.
             broadcast_module_states(self.model)
+            return
+        # 6. DDP wraps last, around whatever the precision plugin returned.
+        self.configure_ddp()
+        # 7. Every rank holds rank 0's weights now: apex O2 takes them into its fp32 masters, as at the recipe's
+        #    first backward.
+        if isinstance(self.precision_plugin, AmpPrecision):
+            self.precision_plugin.models_wrapped()
 
     @property
     def ddp_options(self) -> dict[str, Any]:
@@ -371,6 +376,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        explain_unused_parameters(exception, self._ddp_kwargs)
         explain_peer_failure(exception, self.timeout)
         explain_loader_state_mismatch(exception, self._resuming)
 

@@ -307,6 +307,31 @@ def check_precision_plugin(
         )
 
 
+#: What torch's DDP says when a parameter got no gradient in a backward, and what Lightning's ddp replaces it by.
+_UNUSED_PARAMETERS = ("Expected to have finished reduction in the prior iteration", "ddp_find_unused_parameters_true")
+
+
+def explain_unused_parameters(exception: BaseException, ddp_kwargs: dict[str, Any]) -> None:
+    """Replace, in DDP's error about parameters that got no gradient, the advice to use Lightning's
+    ``ddp_find_unused_parameters_true`` (where apex cannot run: Lightning's ddp wraps the model before
+    ``amp.initialize``) by envddp's own setting; with the search already on, the error is left as it is."""
+    if ddp_kwargs.get("find_unused_parameters", False):
+        return
+    message = (
+        "find_unused_parameters=False: a backward in training_step left parameters of the LightningModule without a"
+        " gradient, and DistributedDataParallel (one wrapper around the LightningModule) needs every parameter's"
+        " gradient in every backward unless it searches for the unused ones: several losses a step, as a GAN's, each"
+        " reaching only some of its models, or a sub-module that does not run in every step. Fix: keep envddp and let"
+        ' it search: Trainer(strategy="envddp_find_unused_parameters_true"), or EnvDDPStrategy(find_unused_parameters'
+        "=True) beside its other arguments (Lightning's 'ddp_find_unused_parameters_true' wraps the model before"
+        " amp.initialize, so apex cannot run there)"
+    )
+    exception.args = tuple(
+        message if isinstance(arg, str) and any(text in arg for text in _UNUSED_PARAMETERS) else arg
+        for arg in exception.args
+    )
+
+
 def master_weights(plugin: object) -> bool:
     """Whether ``plugin`` keeps fp32 master weights (AmpPrecision under apex O2); asked of any precision plugin."""
     return bool(getattr(plugin, "master_weights", False))

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
+from lightning_ddp_amp.amp.loss_optimizers import LossOptimizers
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
@@ -91,7 +92,7 @@ class AmpPrecision(Precision):
         self._device_type: str | None = None
         self._converted: list[Module] = []
         self._connected: list[Module] = []
-        self._optimizers: list[Optimizer] = []
+        self._optimizers = LossOptimizers("fabric.backward")
         self._unscaled: set[int] = set()
         self._accumulating = 0
         self._skipped: dict[int, bool] = {}
@@ -101,9 +102,9 @@ class AmpPrecision(Precision):
 
     @property
     def flag(self) -> str:
-        """How this plugin reads as ``Fabric(precision=...)``: ``"apex-O1"``, ``"native-O2"``, ..."""
-        family = "amp" if self._requested_backend == "auto" else self.backend
-        return f"{family}-{self.opt_level}"
+        """The ``Fabric(precision=...)`` string of what runs, for messages: ``"apex-O1"``, ``"native-O2"``, ...; under
+        ``backend="auto"`` (``"amp-O1"``) the backend it chose, so that a fix naming it asks for that backend."""
+        return f"{self.backend}-{self.opt_level}"
 
     @property
     def master_weights(self) -> bool:
@@ -194,16 +195,22 @@ class AmpPrecision(Precision):
             o2 = f"precision={self.flag.rpartition('-')[0] + '-O2'!r}"
             dtype = self._backend_class.model_dtype(self.settings)
             check_half_steps(dtype, models, optimizers, f"{call} under precision {self.flag!r}", o2)
+        self._optimizers.add(optimizers)  # before amp.initialize, which may swap O2's parameters for masters
         self.amp_backend.connect(ModuleList(models), list(models), list(optimizers))
         amp = getattr(self.amp_backend, "amp", None)
         if amp is not None:
             _refuse_fabric_optimizers(amp)
         self._connected.extend(models)
-        self._optimizers.extend(optimizers)
+
+    def models_wrapped(self) -> None:
+        """The connected models are wrapped in DDP (every rank holds rank 0's weights): apex O2 takes them into its
+        fp32 masters, as the recipe's first backward after the wrap does; envddp calls this."""
+        if self._built is not None:
+            self._built.models_wrapped()
 
     def connected(self, item: Module | Optimizer) -> bool:
         """Whether the model or optimizer ``item`` went through :meth:`connect`."""
-        return any(item is known for known in (*self._connected, *self._optimizers))
+        return any(item is known for known in (*self._connected, *self._optimizers.optimizers))
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -242,21 +249,19 @@ class AmpPrecision(Precision):
             model: The model Fabric names, unused.
             *args: Passed on to ``Tensor.backward``.
             loss_id: Which loss scaler scales this loss (``num_losses=2`` gives a second loss its own).
-            optimizers: The optimizers whose parameters the loss reaches, as handed to ``amp.scale_loss`` (Fabric's
-                or the raw ones). Default: every optimizer set up.
+            optimizers: The optimizers this loss is scaled for, as the classic ``amp.scale_loss(loss, optimizers)``
+                named them (Fabric's or the raw ones). Default: the one optimizer set up, or the one whose
+                parameters the loss reaches (:mod:`~lightning_ddp_amp.amp.loss_optimizers`).
             delay_unscale: Keep apex from unscaling, as apex's accumulation recipe does on the micro-batches that do
                 not step. Default: inside ``fabric.no_backward_sync(model)``, else not (the micro-batch that steps).
             **kwargs: Passed on to ``Tensor.backward``.
 
         Raises:
-            PrecisionConfigurationError: ``loss_id`` is not one of the ``num_losses`` scalers.
+            PrecisionConfigurationError: ``loss_id`` is not one of the ``num_losses`` scalers, or the loss reaches the
+                parameters of several optimizers and ``optimizers`` does not name them.
         """
         self.settings.check_loss_id(loss_id)
-        if optimizers is None:
-            chosen = list(self._optimizers)
-        else:
-            given: list[Any] = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-            chosen = [getattr(optimizer, "optimizer", optimizer) for optimizer in given]
+        chosen = self._optimizers.choose(tensor, optimizers, loss_id)
 
         def run_backward(scaled: Tensor) -> None:
             scaled.backward(*args, **kwargs)  # type: ignore[no-untyped-call]

@@ -40,7 +40,7 @@ from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler, join_process_group
 from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
-from lightning_ddp_amp.fabric.data import keep_script_epoch
+from lightning_ddp_amp.fabric.data import accept_set_epoch, keep_script_epoch
 from lightning_ddp_amp.fabric.precision import SETUP_MODELS, AmpPrecision
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.process_group import resolve_timeout
@@ -154,14 +154,21 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:  # type: ignore[override]
+        """None in one process: Fabric then keeps the script's sampler (and so its shuffle from the script's seed), as
+        the Trainer's envddp and Fabric's single-device strategy do."""
+        if not self.topology.is_distributed:
+            return None
         return {"num_replicas": self.topology.world_size, "rank": self.topology.rank}
 
     @override
     def process_dataloader(self, dataloader: DataLoader[Any]) -> DataLoader[Any]:
         """``fabric.setup_dataloaders``: the distributed sampler Fabric put in keeps the epoch the script sets, so a
-        resumed run shuffles as the classic resume (:mod:`lightning_ddp_amp.fabric.data`)."""
+        resumed run shuffles as the classic resume; in one process the script's own sampler takes ``set_epoch``
+        (:mod:`lightning_ddp_amp.fabric.data`)."""
         keep_script_epoch(dataloader)
+        if not self.topology.is_distributed:
+            accept_set_epoch(dataloader)
         return dataloader
 
     @override
@@ -196,6 +203,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
                 )
         self.connect_precision([module], optimizers, "fabric.setup(model, optimizer)")
         module = self.setup_module(module)
+        self.wrapped_precision()
         return (module, [self.setup_optimizer(optimizer) for optimizer in optimizers], *scheduler)
 
     def connect_precision(self, models: Sequence[Module], optimizers: Sequence[Optimizer], call: str) -> None:
@@ -206,6 +214,12 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             for optimizer in optimizers:
                 _lightning.keep_fabric_zero_grad(optimizer)
             _lightning.optimizers_to_device(list(optimizers), self.root_device)
+
+    def wrapped_precision(self) -> None:
+        """Tell the precision plugin that the models it connected are wrapped (every rank holds rank 0's weights):
+        apex O2 takes them into its fp32 masters, as the recipe's first backward after the wrap does."""
+        if isinstance(self.precision, AmpPrecision):
+            self.precision.models_wrapped()
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
@@ -398,5 +412,7 @@ def setup_models(fabric: Fabric, models: Sequence[Module], *optimizers: Optimize
             fabric.to_device(strategy.precision.convert_module(model))
         strategy.connect_precision(models, optimizers, "setup_models(fabric, models, optimizer)")
     wrapped = [fabric.setup_module(model) for model in models]
+    if isinstance(strategy, EnvDDPStrategy):
+        strategy.wrapped_precision()
     set_up = fabric.setup_optimizers(*optimizers)
     return (wrapped, *(set_up if isinstance(set_up, tuple) else (set_up,)))

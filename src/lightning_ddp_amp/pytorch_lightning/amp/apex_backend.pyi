@@ -149,6 +149,13 @@ class ApexAmp(AmpBackend):
         ...
 
     @override
+    def models_wrapped(self) -> None:
+        """O2: copy the fp16 model weights, rank 0's since the DDP wrap, into the fp32 masters built at
+        ``amp.initialize`` from this rank's own: apex builds them at the first backward, after the wrap, so a rank that
+        started from other weights trains rank 0's. Masters restored from a checkpoint are kept."""
+        ...
+
+    @override
     def evaluate(self, model: Module) -> None:
         """A model amp.initialize cast keeps its input casts, in any Trainer of this process; another model (every
         model, in a fresh process) runs as built.

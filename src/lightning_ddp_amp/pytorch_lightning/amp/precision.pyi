@@ -37,6 +37,7 @@ from typing_extensions import override
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
+from lightning_ddp_amp.amp.loss_optimizers import LossOptimizers
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps, check_models
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
@@ -127,6 +128,11 @@ class AmpPrecision(Precision):
     ) -> tuple[Module, list[Optimizer], list[Any]]:
         ...
 
+    def models_wrapped(self) -> None:
+        """The connected models are wrapped in DDP (every rank holds rank 0's weights): apex O2 takes them into its
+        fp32 masters, as the recipe's first backward after the wrap does; envddp calls this."""
+        ...
+
     def _check_half_steps(self, model: Module, optimizers: list[Optimizer]) -> None:
         """Refuse an ``eps`` that rounds to 0 where the optimizer steps half-precision weights (:func:`check_half_steps
         <lightning_ddp_amp.amp.settings.check_half_steps>`), when ``fit`` starts: the optimizers do not exist when the
@@ -196,14 +202,16 @@ class AmpPrecision(Precision):
             optimizer: The optimizer being stepped; None under manual optimization.
             *args: Passed on to ``LightningModule.backward``.
             loss_id: Which loss scaler scales this loss (``num_losses=2`` gives a second loss its own).
-            optimizers: The optimizers whose parameters this loss reaches, for apex. Default: ``optimizer``, or
-                under manual optimization all of them.
+            optimizers: The optimizers this loss is scaled for, as the classic ``amp.scale_loss(loss, optimizers)``
+                named them. Default: ``optimizer``; under manual optimization the one optimizer whose parameters
+                the loss reaches (:mod:`~lightning_ddp_amp.amp.loss_optimizers`).
             delay_unscale: True keeps apex from unscaling (gradient accumulation). Default: unscale only in
                 the backward of the micro-batch that steps.
             **kwargs: Passed on to ``LightningModule.backward``.
 
         Raises:
-            PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers.
+            PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers, or
+                the loss reaches the parameters of several optimizers and ``optimizers`` does not name them.
         """
         ...
 

@@ -64,6 +64,7 @@ from lightning_ddp_amp.ddp.wrapper import (
     DDPOptions,
     check_comm_hook_backend,
     check_precision_plugin,
+    explain_unused_parameters,
     holds_gradients,
     register_comm_hook,
     resolve_comm_hook,

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
+from lightning_ddp_amp.amp.loss_optimizers import LossOptimizers
 from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
@@ -80,7 +81,8 @@ class AmpPrecision(Precision):
 
     @property
     def flag(self) -> str:
-        """How this plugin reads as ``Fabric(precision=...)``: ``"apex-O1"``, ``"native-O2"``, ..."""
+        """The ``Fabric(precision=...)`` string of what runs, for messages: ``"apex-O1"``, ``"native-O2"``, ...; under
+        ``backend="auto"`` (``"amp-O1"``) the backend it chose, so that a fix naming it asks for that backend."""
         ...
 
     @property
@@ -129,6 +131,11 @@ class AmpPrecision(Precision):
         """
         ...
 
+    def models_wrapped(self) -> None:
+        """The connected models are wrapped in DDP (every rank holds rank 0's weights): apex O2 takes them into its
+        fp32 masters, as the recipe's first backward after the wrap does; envddp calls this."""
+        ...
+
     def connected(self, item: Module | Optimizer) -> bool:
         """Whether the model or optimizer ``item`` went through :meth:`connect`."""
         ...
@@ -165,14 +172,16 @@ class AmpPrecision(Precision):
             model: The model Fabric names, unused.
             *args: Passed on to ``Tensor.backward``.
             loss_id: Which loss scaler scales this loss (``num_losses=2`` gives a second loss its own).
-            optimizers: The optimizers whose parameters the loss reaches, as handed to ``amp.scale_loss`` (Fabric's
-                or the raw ones). Default: every optimizer set up.
+            optimizers: The optimizers this loss is scaled for, as the classic ``amp.scale_loss(loss, optimizers)``
+                named them (Fabric's or the raw ones). Default: the one optimizer set up, or the one whose
+                parameters the loss reaches (:mod:`~lightning_ddp_amp.amp.loss_optimizers`).
             delay_unscale: Keep apex from unscaling, as apex's accumulation recipe does on the micro-batches that do
                 not step. Default: inside ``fabric.no_backward_sync(model)``, else not (the micro-batch that steps).
             **kwargs: Passed on to ``Tensor.backward``.
 
         Raises:
-            PrecisionConfigurationError: ``loss_id`` is not one of the ``num_losses`` scalers.
+            PrecisionConfigurationError: ``loss_id`` is not one of the ``num_losses`` scalers, or the loss reaches the
+                parameters of several optimizers and ``optimizers`` does not name them.
         """
         ...
 

@@ -41,7 +41,7 @@ from lightning_ddp_amp.pytorch_lightning import _lightning
 from lightning_ddp_amp.pytorch_lightning.ddp.reconciler import ReconciledTopology, TopologyReconciler, join_process_group
 from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
-from lightning_ddp_amp.fabric.data import keep_script_epoch
+from lightning_ddp_amp.fabric.data import accept_set_epoch, keep_script_epoch
 from lightning_ddp_amp.pytorch_lightning.fabric.precision import SETUP_MODELS, AmpPrecision
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.process_group import resolve_timeout
@@ -132,13 +132,16 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:  # type: ignore[override]
+        """None in one process: Fabric then keeps the script's sampler (and so its shuffle from the script's seed), as
+        the Trainer's envddp and Fabric's single-device strategy do."""
         ...
 
     @override
     def process_dataloader(self, dataloader: DataLoader[Any]) -> DataLoader[Any]:
         """``fabric.setup_dataloaders``: the distributed sampler Fabric put in keeps the epoch the script sets, so a
-        resumed run shuffles as the classic resume (:mod:`lightning_ddp_amp.fabric.data`)."""
+        resumed run shuffles as the classic resume; in one process the script's own sampler takes ``set_epoch``
+        (:mod:`lightning_ddp_amp.fabric.data`)."""
         ...
 
     @override
@@ -161,6 +164,11 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     def connect_precision(self, models: Sequence[Module], optimizers: Sequence[Optimizer], call: str) -> None:
         """Hand the models, on their device, and their raw optimizers to the precision plugin before any DDP wrap:
         where the recipe calls ``amp.initialize``."""
+        ...
+
+    def wrapped_precision(self) -> None:
+        """Tell the precision plugin that the models it connected are wrapped (every rank holds rank 0's weights):
+        apex O2 takes them into its fp32 masters, as the recipe's first backward after the wrap does."""
         ...
 
     @override
