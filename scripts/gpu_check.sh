@@ -12,9 +12,10 @@
 # Parts (results in $OUT/gpu_check/ when $OUT is set, else gpu_check_results/), with the time each should take on
 # an H200 (most of it is starting processes: torch, Lightning and CUDA load in each, ~8 s per training run):
 #   env        5 s  torch, CUDA, the GPUs and apex as this machine has them; without CUDA the rest is skipped
-#   apex     115 s  envddp with apex O1 (overflow at step 3), O2, O3 against the hand-written apex recipe, RNNs fed
+#   apex     150 s  envddp with apex O1 (overflow at step 3), O2, O3 against the hand-written apex recipe, RNNs fed
 #                   fp16 under O1 (workers/rnn_pairs.py) against the recipe with torch's RNN check lifted, one rank,
-#                   and examples/fabric/train.py under Fabric apex-O1 and O2 against examples/classic/train.py
+#                   and examples/fabric/train.py under Fabric apex-O1 and O2 against examples/classic/train.py,
+#                   and apex's DCGAN example (tests/workers/gan_pairs.py) by hand against Fabric, O1 and O2
 #   native    35 s  AmpPrecision native fp16 (overflow at step 3) and bf16 against the hand-written native recipe
 #   overflow  30 s  compare's overflow locator on CUDA fp16: tests/workers/compare_train.py's net.2 leaves fp16's
 #                   range at step 5; native-O1 (and apex-O1 with apex) must skip it and name net.2, float16
@@ -101,7 +102,7 @@ if ! grep -Eq '^cuda devices: [1-9]' "$RESULTS/env.log" 2>/dev/null; then
 fi
 
 if [[ -n $APEX ]]; then
-    part apex 190 "${PYTEST[@]}" -m apex --junitxml="$RESULTS/apex.xml"
+    part apex 240 "${PYTEST[@]}" -m apex --junitxml="$RESULTS/apex.xml"
 else
     note apex "skipped: no .apex-src/apex (real NVIDIA apex 25.05 is not carried to this machine)"
 fi

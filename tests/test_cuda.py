@@ -368,3 +368,34 @@ def test_real_apex_under_fabric_ends_in_the_classic_scripts_weights(
     print(f"  loss scalers {after['amp']['loss_scalers']} (classic: {before['amp']})")
     assert after["amp"]["loss_scalers"] == [before["amp"]["loss_scaler0"]]
     assert before["amp"]["loss_scaler0"]["loss_scale"] == 2.0**15  # the inf batch's step was skipped
+
+
+@pytest.mark.apex
+@real_apex
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_real_apex_dcgan_under_fabric_ends_in_the_classic_scripts_state(
+    level: str, torchrun: Torchrun, tmp_path: Path
+) -> None:
+    # apex's DCGAN example (workers/gan_pairs.py: two models, two optimizers, three loss scalers, an overflow injected
+    # into errD_real and errG) by hand and under Fabric, one rank on cuda:0 with real apex; test_gan_reference.py
+    # runs the same pair on the double, on one and two CPU ranks, and the Trainer's door beside it.
+    saved = {}
+    for door in ("classic", "fabric"):
+        out = tmp_path / door
+        out.mkdir()
+        args = ("--door", door, "--level", level, "--out", str(out), "--cuda")
+        check(torchrun.run(str(WORKERS / "gan_pairs.py"), *args, nproc=1, env=DETERMINISTIC))
+        saved[door] = torch.load(out / "rank0.pt", weights_only=False)
+    classic, fabric = saved["classic"], saved["fabric"]
+    for part in ("parameters", "buffers"):
+        difference = max_abs_difference(
+            {k: v.double() for k, v in fabric[part].items()}, {k: v.double() for k, v in classic[part].items()}
+        )
+        print(f"  {part}: largest |difference| {difference:.3g}")
+        assert difference <= TOLERANCE, part
+    for optimizer, masters in classic["masters"].items():
+        for index, master in enumerate(masters):
+            assert (fabric["masters"][optimizer][index].double() - master.double()).abs().max().item() <= TOLERANCE
+    print(f"  skipped {fabric['skipped']} (classic: {classic['skipped']}), loss scalers {fabric['amp']}")
+    assert (fabric["skipped"], fabric["amp"]) == (classic["skipped"], classic["amp"])
+    assert all(step in classic["skipped"][name] for name, step in classic["overflow_at"].items())
