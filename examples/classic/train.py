@@ -63,8 +63,9 @@ def main() -> None:
     x = torch.randn(1024, 32)
     y = (x[:, :10].argmax(dim=1) + (x[:, 10] > 0).long()) % 10
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, shuffle=True)
-    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    # As apex's ImageNet example does: a DistributedSampler only where several ranks share the data.
+    sampler = DistributedSampler(dataset, shuffle=True) if dist.get_world_size() > 1 else None
+    loader = DataLoader(dataset, batch_size=32, shuffle=sampler is None, sampler=sampler)
 
     model_a, model_b = Encoder().to(device), Head().to(device)
     optimizer = torch.optim.SGD(list(model_a.parameters()) + list(model_b.parameters()), lr=args.lr)
@@ -82,7 +83,8 @@ def main() -> None:
         start = checkpoint["epoch"] + 1
 
     for epoch in range(start, args.epochs):
-        sampler.set_epoch(epoch)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         for step, (x, y) in enumerate(loader):
             x, y = x.to(device), y.to(device)
             if epoch * len(loader) + step == args.bad_batch:
