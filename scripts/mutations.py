@@ -374,6 +374,101 @@ MUTATIONS = (
         "            pass\n",
         ("tests/test_apex_reference.py", "-k", "rnn"),
     ),
+    # --- Fabric: loss ids, the accumulation switches, several models, a one-rank group the script started --------
+    Mutation(
+        "fabric-loss-id-dropped",
+        "fabric.backward(loss, loss_id=1) scales with loss 0's scaler: an overflow of loss 1 halves the other's scale",
+        "fabric/precision.py",
+        "        self.amp_backend.backward(tensor, chosen, run_backward, loss_id, delay_unscale)\n",
+        "        self.amp_backend.backward(tensor, chosen, run_backward, 0, delay_unscale)\n",
+        ("tests/test_fabric.py::test_an_overflow_of_the_second_loss_halves_its_own_loss_scale_only",),
+    ),
+    Mutation(
+        "fabric-no-sync-enabled-ignored",
+        "fabric.no_backward_sync(model, enabled=False) still delays apex's unscale: the micro-batch that steps keeps"
+        " gradients x65536",
+        "fabric/strategy.py",
+        "        if not enabled:\n            yield\n            return\n",
+        "",
+        (
+            "tests/test_fabric.py::"
+            "test_a_backward_in_no_backward_sync_disabled_leaves_the_gradients_unscaled_as_one_outside_it",
+        ),
+    ),
+    Mutation(
+        "fabric-native-o3-converts-newest-only",
+        "native O3 converts only the newest model of setup_models: the earlier ones lose their input casts",
+        "fabric/precision.py",
+        "            self.amp_backend.convert_module(ModuleList(self._converted), list(self._converted))\n",
+        "            self.amp_backend.convert_module(ModuleList([module]), [module])\n",
+        ("tests/test_fabric.py::test_native_o3_setup_models_casts_every_model_and_each_runs_its_forward",),
+    ),
+    Mutation(
+        "fabric-script-group-said-missing",
+        "a one-rank job whose script started its own group is told '1 rank, ..., so no process group' beside it",
+        "ddp/reconciler.py",
+        '        if not started_by_script() and topology.launcher != "none":\n',
+        '        if topology.launcher != "none":\n',
+        ("tests/test_fabric.py::test_a_one_rank_group_the_script_started_is_trained_on_without_saying_there_is_none",),
+    ),
+    Mutation(
+        "fabric-explicit-delay-unscale-ignored",
+        "fabric.backward(loss, delay_unscale=True) outside no_backward_sync unscales anyway (only the context counts)",
+        "fabric/precision.py",
+        "        if delay_unscale is None:\n            delay_unscale = self._accumulating > 0\n",
+        "        delay_unscale = self._accumulating > 0\n",
+        ("tests/test_fabric.py::test_an_explicit_delay_unscale_keeps_the_gradients_scaled_outside_no_backward_sync",),
+    ),
+    # --- scripts shaped like apex's own examples: a GAN, one process, ranks that start apart ----------------------
+    Mutation(
+        "every-optimizer-for-every-loss",
+        "a loss is scaled for every optimizer set up (the old 'safe superset'): the discriminator's overflow skips the"
+        " generator's next step too",
+        "amp/loss_optimizers.py",
+        "        if len(self.optimizers) <= 1:\n            return list(self.optimizers)\n",
+        "        if True:\n            return list(self.optimizers)\n",
+        (
+            "tests/test_loss_optimizers.py",
+            "-k",
+            "discriminator_loss or several_optimizers or asks_the_same",
+        ),
+    ),
+    Mutation(
+        "fabric-one-process-sampler-swapped",
+        "Fabric's envddp in one process swaps the script's RandomSampler for a DistributedSampler(num_replicas=1, seed=0),"
+        " which ignores the script's seed",
+        "fabric/strategy.py",
+        "        if not self.topology.is_distributed:\n            return None\n",
+        "",
+        (
+            "tests/test_loss_optimizers.py::test_fabric_one_process_keeps_the_scripts_shuffle",
+            "tests/test_fabric.py::test_the_fabric_script_in_one_process_ends_in_the_classic_scripts_weights",
+        ),
+    ),
+    Mutation(
+        "lightnings-unused-parameters-advice",
+        "DDP's unused-parameter error keeps Lightning's advice, ddp_find_unused_parameters_true, where apex cannot run",
+        "ddp/strategy.py",
+        "        explain_unused_parameters(exception, self._ddp_kwargs)\n",
+        "",
+        (
+            "tests/test_loss_optimizers.py::test_ddps_unused_parameter_error_names_envddps_setting",
+            "tests/test_gan_reference.py::test_the_trainer_door_without_the_unused_parameter_search_names_envddps_setting",
+        ),
+    ),
+    Mutation(
+        "o2-masters-from-this-ranks-weights",
+        "apex O2's fp32 masters keep the weights this rank started from, not rank 0's that the DDP wrap gave it",
+        "amp/apex_backend.py",
+        "        for model_param, master in self.master_weight_pairs():\n            master.data.copy_(model_param.data)\n",
+        "        return\n",
+        (
+            "tests/test_apex_reference.py",
+            "tests/test_gan_reference.py",
+            "-k",
+            "envddp_ends_in_the_references_state and apex_o2 or every_parameter_on_every_rank and 2-ranks-O2",
+        ),
+    ),
 )
 
 

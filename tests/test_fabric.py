@@ -5,7 +5,9 @@ the apex test double where apex is meant; two ranks for the classic script again
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import math
 import os
 import re
@@ -15,13 +17,23 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import Preloaded, Torchrun, check, finish, needs_cpu_fp16, start_python
+from conftest import (
+    Preloaded,
+    Torchrun,
+    check,
+    finish,
+    free_port,
+    launcher_variables,
+    needs_cpu_fp16,
+    start_python,
+)
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from test_launchers import MPIRUN_RANK_3_OF_4, SRUN_RANK_3_OF_4, TORCHRUN_RANK_0_OF_2
 
 import lightning_ddp_amp
+from lightning_ddp_amp import rank_zero
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 from lightning_ddp_amp.fabric import AmpPrecision, EnvDDPStrategy, setup_models
 from lightning_ddp_amp.launch.environment import read_topology
@@ -63,7 +75,7 @@ def test_native_and_amp_strings_build_envddp_with_torch_amp(flag: str, no_apex: 
     fabric = Fabric(strategy="envddp", precision=flag, accelerator="cpu")  # type: ignore[arg-type]
     plugin = fabric.strategy.precision
     assert isinstance(plugin, AmpPrecision)
-    assert (plugin.backend, plugin.opt_level, plugin.flag) == ("native", flag[-2:], flag)
+    assert (plugin.backend, plugin.opt_level, plugin.flag) == ("native", flag[-2:], f"native-{flag[-2:]}")
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
@@ -352,6 +364,30 @@ def test_the_fabric_script_ends_in_the_classic_scripts_weights(
     assert (initial - after["model_a"]["layers.0.weight"].float()).abs().max() > 1e-3
 
 
+@needs_cpu_fp16
+def test_the_fabric_script_in_one_process_ends_in_the_classic_scripts_weights(
+    torchrun: Torchrun, preloaded: Preloaded, tmp_path: Path
+) -> None:
+    # One process: the classic script under torchrun --nproc-per-node=1 builds no DistributedSampler (as apex's ImageNet
+    # example), and the Fabric script run as plain `python train.py` keeps its DataLoader's own shuffle (envddp swaps
+    # in no sampler) and its loader.sampler.set_epoch line: the same order from the same seed. apex O2 (fp32 masters)
+    # with accumulation, clipping and a skipped step.
+    reference, precision, cases = CLASSIC_PAIRS["apex-O2"]
+    classic, kept = tmp_path / "classic.pt", tmp_path / "fabric.pt"
+    script = str(Path(__file__).parents[1] / reference[0])
+    check(torchrun.run(script, *reference[1:], *cases, "--checkpoint", str(classic), nproc=1, apex_double=True))
+    script = str(EXAMPLES / "fabric" / "train.py")
+    ran = preloaded.run(
+        script, "--precision", precision, *cases, "--checkpoint", str(kept), nproc=1, env=[{}], log=tmp_path
+    )
+    ran.check()
+    before, after = torch.load(classic, weights_only=False), torch.load(kept, weights_only=False)
+    for model in ("model_a", "model_b"):
+        for name, value in before[model].items():
+            assert (after[model][name].float() - value.float()).abs().max().item() == 0.0, f"{model}.{name}"
+    assert after["amp"]["loss_scalers"] == [before["amp"]["loss_scaler0"]] == [{"loss_scale": 2.0**15, "unskipped": 30}]
+
+
 def test_the_readmes_fabric_diff_is_lines_of_the_two_example_files() -> None:
     # The README's front-page diff (a fragment) cannot drift from the files it shows; its comments are the README's.
     readme = (Path(__file__).parents[1] / "README.md").read_text()
@@ -500,3 +536,109 @@ def test_devices_2_without_a_launcher_starts_two_ranks_at_fabric_launch(tmp_path
     ]
     assert "envddp: no launcher variables and 2 devices: starting the ranks as `torchrun" in result.stdout
     assert "started by the script itself, through torchrun (self-launch)" in result.stdout
+
+
+def squared_mean(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """train_step's loss, small enough that its gradients times apex's first loss scale (2**16) stay within float16."""
+    return model(x).float().pow(2).mean() * 1e-3
+
+
+def fp32_gradients(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of :func:`squared_mean` in plain fp32, on a copy (before amp.initialize patches torch)."""
+    plain = copy.deepcopy(model)
+    squared_mean(plain, x).backward()
+    return [param.grad.detach().clone() for param in plain.parameters()]
+
+
+def assert_within_fp16(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Each gradient equals its fp32 counterpart within what fp16 activations leave (1% of its largest value)."""
+    for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+        apart, largest = (got.float() - want).abs().max().item(), want.abs().max().item()
+        assert apart <= 1e-2 * largest, f"gradient {index}: {apart:.3g} apart, where the largest is {largest:.3g}"
+
+
+@needs_cpu_fp16
+def test_an_overflow_of_the_second_loss_halves_its_own_loss_scale_only(
+    apex_double: ModuleType,
+) -> None:
+    fabric = Fabric(strategy="envddp", plugins=[AmpPrecision("O1", "apex", num_losses=2)], accelerator="cpu")
+    fabric.launch()
+    model, optimizer = fabric.setup(*model_and_optimizer())
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, AmpPrecision)
+    optimizer.zero_grad()
+    fabric.backward(model(torch.randn(4, 8)).float().sum() * 1e30, loss_id=1)  # overflows at any loss scale
+    optimizer.step()
+    assert plugin.step_skipped(optimizer)
+    assert [scaler["loss_scale"] for scaler in plugin.state_dict()["loss_scalers"]] == [2.0**16, 2.0**15]
+    assert apex_double.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
+
+
+@needs_cpu_fp16
+def test_a_backward_in_no_backward_sync_disabled_leaves_the_gradients_unscaled_as_one_outside_it(
+    apex_double: ModuleType,
+) -> None:
+    # Lightning's idiom `with fabric.no_backward_sync(model, enabled=is_accumulating)`: on the micro-batch that steps,
+    # the context is off, and apex must unscale as after any other backward.
+    fabric = fabric_for("apex-O1")
+    model, optimizer = model_and_optimizer()
+    x = torch.randn(4, 8)
+    expected = fp32_gradients(model, x)
+    model, optimizer = fabric.setup(model, optimizer)
+    fabric.backward(squared_mean(model, x))
+    assert_within_fp16([param.grad for param in model.parameters()], expected)
+    optimizer.zero_grad()
+    with fabric.no_backward_sync(model, enabled=False):
+        fabric.backward(squared_mean(model, x))
+    assert_within_fp16([param.grad for param in model.parameters()], expected)
+
+
+@needs_cpu_fp16
+def test_an_explicit_delay_unscale_keeps_the_gradients_scaled_outside_no_backward_sync(
+    apex_double: ModuleType,
+) -> None:
+    fabric = fabric_for("apex-O1")
+    model, optimizer = model_and_optimizer()
+    x = torch.randn(4, 8)
+    expected = fp32_gradients(model, x)
+    model, optimizer = fabric.setup(model, optimizer)
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, AmpPrecision)
+    scale = plugin.current_loss_scale
+    assert scale == 2.0**16
+    fabric.backward(squared_mean(model, x), delay_unscale=True)
+    assert_within_fp16([param.grad for param in model.parameters()], [grad * scale for grad in expected])
+
+
+@needs_cpu_fp16
+def test_native_o3_setup_models_casts_every_model_and_each_runs_its_forward(no_apex: None) -> None:
+    # Each model is converted as setup_models reaches it: converting the second must keep the first's casts.
+    fabric = fabric_for("native-O3")
+    model_a, model_b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
+    [set_a, set_b], _ = setup_models(fabric, [model_a, model_b], optimizer)
+    assert {param.dtype for param in (*model_a.parameters(), *model_b.parameters())} == {torch.float16}
+    assert torch.isfinite(set_a(torch.randn(2, 8))).all()
+    assert torch.isfinite(set_b(torch.randn(2, 16))).all()
+
+
+def test_a_one_rank_group_the_script_started_is_trained_on_without_saying_there_is_none(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A classic script run by `torchrun --nproc-per-node=1` that kept its dist.init_process_group("gloo") line.
+    for name, value in {**launcher_variables(0, free_port(), world_size=1), "TORCHELASTIC_RUN_ID": "job"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(rank_zero, "_LOGGED", set())  # said again here, whatever an earlier test said
+    torch.distributed.init_process_group("gloo")
+    try:
+        group = torch.distributed.group.WORLD
+        with caplog.at_level(logging.INFO):
+            fabric = Fabric(strategy="envddp", accelerator="cpu")
+            fabric.launch()
+            model, optimizer = fabric.setup(*model_and_optimizer())
+            train_step(fabric, model, optimizer)
+        assert torch.distributed.group.WORLD is group
+        said = [record.getMessage() for record in caplog.records]
+        assert [line for line in said if "so no process group" in line] == []
+    finally:
+        torch.distributed.destroy_process_group()
