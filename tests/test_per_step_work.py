@@ -45,6 +45,9 @@ DOCUMENTED_AMP = DOCUMENTED | {
     # backward's check of the loss_id it is given (a few isinstance tests).
     "settings.AmpSettings.check_loss_id",
     "errors.whole_number",
+    # which optimizers the loss is scaled for: automatic optimization names the one it steps (no graph walk).
+    "loss_optimizers.LossOptimizers.choose",
+    "loss_optimizers.LossOptimizers.choose.<locals>.<listcomp>",
     "precision.AmpPrecision.convert_input",
     "precision.AmpPrecision.forward_context",
     "precision.AmpPrecision.amp_backend",
