@@ -122,7 +122,7 @@ MUTATIONS = (
         "ddp/strategy.py",
         "        self._ddp_kwargs = self.ddp_options\n",
         "        self._ddp_kwargs = {}\n",
-        ("tests/test_ddp_under_amp.py::test_gradients_are_bucket_views_unless_apex_keeps_master_weights",),
+        ("tests/test_ddp_under_amp.py::test_native_amp_keeps_bucket_views",),
     ),
     Mutation(
         "ddp-user-kwargs-dropped",
