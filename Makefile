@@ -16,7 +16,7 @@ OLDEST_TORCH := torch==2.1.2 'numpy<2'
 CORE_TESTS := tests/test_multiprocess.py tests/test_amp_multiprocess.py tests/test_faults.py tests/test_examples.py \
 	tests/test_precision.py tests/test_torch_features.py tests/test_apex_reference.py \
 	tests/test_apex_double.py tests/test_ddp_under_amp.py tests/test_backends.py tests/test_migrate.py \
-	tests/test_overflow.py tests/test_fabric.py
+	tests/test_overflow.py tests/test_fabric.py tests/test_loss_optimizers.py
 # What the lowest-Lightning leg leaves out: each is met with Lightning 2.5.0 on leg c or needs no Lightning API.
 LOWEST_LEAVES_OUT := --ignore=tests/test_faults.py --ignore=tests/test_multiprocess.py --ignore=tests/test_packaging.py \
 	--ignore=tests/test_examples.py --ignore=tests/test_readme.py --ignore=tests/test_env_report.py
