@@ -5,6 +5,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH := torch==2.13.0
+# Where pip finds torch: empty for the configured index (this project's machines and CI hold the CPU build of 2.13.0);
+# on a machine whose index serves CUDA builds (PyPI's torch for Linux is one, about 2.5 GB),
+# `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the CPU build.
+TORCH_INDEX ?=
 # The newest releases, as last resolved; .ci/run passes the ones pip resolves at each run.
 NEWEST_TORCH := torch==2.14.1
 NEWEST_LIGHTNING := lightning==2.6.6 pytorch-lightning==2.6.6
@@ -45,7 +49,8 @@ endef
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q $(TORCH) $(NEWEST_LIGHTNING)
+	$(VENV)/bin/pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VENV)/bin/pip install -q $(NEWEST_LIGHTNING)
 	# [compare]: matplotlib, so that this leg also checks compare.png; the other legs check the report without it.
 	$(VENV)/bin/pip install -q -e ".[dev,compare]" $(NEWEST_LIGHTNING)
 	touch $@

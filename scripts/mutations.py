@@ -469,6 +469,17 @@ MUTATIONS = (
             "envddp_ends_in_the_references_state and apex_o2 or every_parameter_on_every_rank and 2-ranks-O2",
         ),
     ),
+    # --- the first hour: what a new user meets -----------------------------------------------------------------
+    Mutation(
+        "model-summary-names-16-mixed",
+        "under AmpPrecision Lightning's model summary warns about '16-mixed', a precision the script never asked for",
+        "amp/precision.py",
+        "        warnings.filterwarnings(\n"
+        '            "ignore", message=rf"Precision {re.escape(str(self.precision))} is not supported by the model summary"\n'
+        "        )\n",
+        "",
+        ("tests/test_everyday.py", "-k", "no_warning_of_the_fit"),
+    ),
 )
 
 

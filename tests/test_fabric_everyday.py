@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -340,3 +341,30 @@ def test_an_amp_precision_argument_of_backward_is_refused_under_lightnings_preci
         fabric.backward(model(torch.randn(2, 8)).sum(), **{argument: value})
     assert f"fabric.backward(loss, {argument}=...) under precision '32-true'" in str(raised.value)
     assert all(parameter.grad is None for parameter in model.parameters())  # no backward ran
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("native-O1", "torch.autocast(float16) with dynamic loss scaling; the inputs and outputs keep the dtypes"),
+        ("native-O3", "the selected modules (or the whole model) cast to float16, no loss scaling"),
+    ],
+)
+def test_fabrics_amp_precision_says_what_it_computes_and_how_it_differs_from_fabrics_mixed(
+    flag: str, says: str, no_apex: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Fabric's own 16-mixed / bf16-mixed cast the inputs to half and the outputs to fp32; AmpPrecision casts neither, as
+    # the apex recipe and a hand-written torch.autocast loop do: a script switching over is told in one line.
+    with caplog.at_level(logging.INFO):
+        fabric = fabric_for(flag)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("AmpPrecision:")]
+    assert len(lines) == 1 and says in lines[0], lines
+    assert ("Fabric's own '16-mixed' casts floating inputs to float16 and outputs to float32" in lines[0]) == (
+        flag == "native-O1"
+    )
+    model, _ = fabric.setup(*model_and_optimizer())
+    if flag == "native-O1":  # what the line says: the output as autocast made it, the input as the script made it
+        seen: list[torch.dtype] = []
+        model.module[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+        assert model(torch.randn(2, 8)).dtype == torch.float16
+        assert seen == [torch.float32]

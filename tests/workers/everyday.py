@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -315,7 +316,7 @@ class SmallSeq(L.LightningModule):
 
 
 def trainer_options(**kwargs: Any) -> dict[str, Any]:
-    return dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return {"accelerator": "cpu", "enable_progress_bar": False, "enable_model_summary": False, **kwargs}
 
 
 def run_cnn(precision: str, out: Path, report: dict[str, Any]) -> L.Trainer:
@@ -333,12 +334,14 @@ def run_cnn(precision: str, out: Path, report: dict[str, Any]) -> L.Trainer:
         logger=CSVLogger(out, name="csv", version=0),
         log_every_n_steps=1,
         callbacks=[checkpoints, early_stopping, LearningRateMonitor("step")],
-        **trainer_options(**precision_options(precision)),
+        **trainer_options(**precision_options(precision), enable_model_summary=True),
     )
     report["trainer_precision"] = str(trainer.precision)
     report["apex"] = runs_apex(trainer)
     model = SmallCNN()
-    trainer.fit(model, loader(TRAIN_SIZE, seed=1, shuffle=True), loader(EVAL_SIZE, seed=2))
+    with warnings.catch_warnings(record=True) as caught:  # the filters as the script has them: each warning once
+        trainer.fit(model, loader(TRAIN_SIZE, seed=1, shuffle=True), loader(EVAL_SIZE, seed=2))
+    report["fit_warnings"] = [str(warning.message) for warning in caught]
     report["fit"] = {
         "global_step": trainer.global_step,
         "epochs": trainer.current_epoch,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -167,6 +169,11 @@ class AmpPrecision(Precision):
                 f"AmpPrecision: {'; '.join(self._passed_over)}, so opt_level {self.opt_level} runs on"
                 f" {self._backend_class.describe(self._settings)}"
             )
+        # Lightning's model summary knows no "16-mixed" and warns, naming a precision the user never asked for; the fp32
+        # bits it then sizes the model in are what O1's weights (and O2's masters) are.
+        warnings.filterwarnings(
+            "ignore", message=rf"Precision {re.escape(str(self.precision))} is not supported by the model summary"
+        )
 
     @override
     def connect(

@@ -156,11 +156,21 @@ class AmpPrecision(Precision):
                     f"Fabric(precision={self.flag!r}): {error.problem}",
                     f'use Fabric(strategy="envddp", precision={self.flag!r}), which calls amp.initialize first',
                 ) from None
-        if self._passed_over:
-            rank_zero_info(
-                f"AmpPrecision: {'; '.join(self._passed_over)}, so opt_level {self.opt_level} runs on"
-                f" {self._backend_class.describe(self.settings)}"
+        rank_zero_info(self.computes())
+
+    def computes(self) -> str:
+        """What this plugin computes, as the one line Fabric's rank 0 prints when it is built: the backend and what the
+        level means there, why ``backend="auto"`` passed over apex, and, at a ``*-mixed`` level, that inputs and outputs
+        keep their dtypes, where Fabric's own ``16-mixed`` / ``bf16-mixed`` casts them."""
+        why = f"{'; '.join(self._passed_over)}, so " if self._passed_over else ""
+        line = f"AmpPrecision: {why}opt_level {self.opt_level} runs on {self._backend_class.describe(self.settings)}"
+        if str(self.precision).endswith("-mixed"):
+            half = "bfloat16" if self.settings.dtype == torch.bfloat16 else "float16"
+            line += (
+                "; the inputs and outputs keep the dtypes the script and the model make, as in the apex recipe (Fabric's"
+                f" own {self.precision!r} casts floating inputs to {half} and outputs to float32)"
             )
+        return line
 
     @override
     def convert_module(self, module: Module) -> Module:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 

@@ -111,6 +111,12 @@ class AmpPrecision(Precision):
         """
         ...
 
+    def computes(self) -> str:
+        """What this plugin computes, as the one line Fabric's rank 0 prints when it is built: the backend and what the
+        level means there, why ``backend="auto"`` passed over apex, and, at a ``*-mixed`` level, that inputs and outputs
+        keep their dtypes, where Fabric's own ``16-mixed`` / ``bf16-mixed`` casts them."""
+        ...
+
     @override
     def convert_module(self, module: Module) -> Module:
         """Cast the model where the native backend casts it (O3), before Fabric moves it; apex casts in
