@@ -472,6 +472,17 @@ def test_the_strategy_registry_type_is_the_type_of_lightnings_registry() -> None
     assert registry.available_strategies() == ["envddp", "envddp_find_unused_parameters_true"]
 
 
+def test_each_registry_entry_names_the_strategy_class_registered() -> None:
+    # The trainer hook tells a mistyped envddp by the class of the nearest registered name.
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_ddp_amp import fabric
+
+    for name in ("envddp", "envddp_find_unused_parameters_true"):
+        assert StrategyRegistry[name]["strategy"] is EnvDDPStrategy
+        assert STRATEGY_REGISTRY[name]["strategy"] is fabric.EnvDDPStrategy
+
+
 def _lightning_imports_from_modules_their_package_exports() -> list[str]:
     """``module:line name`` for each public Lightning name imported from a module file whose package has it too."""
     found = []
@@ -604,12 +615,17 @@ def test_each_launcher_has_every_member_of_lightnings_launcher_interface(launche
 
 
 def test_precision_values_are_what_the_trainer_accepts() -> None:
+    # Both connectors validate with this function; the package's hook refuses a string before Lightning would.
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
     values = _lightning.precision_values()
     assert {"32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "32", "16", "bf16"} <= set(values)
+    for value in values:
+        _convert_precision_to_unified_args(value)  # type: ignore[arg-type]
     for value in ("32-true", "bf16-mixed", "64", "bf16"):
         L.Trainer(accelerator="cpu", precision=value, logger=False)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="apex-O4"):
-        L.Trainer(accelerator="cpu", precision="apex-O4", logger=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Precision 'apex-O4' is invalid"):
+        _convert_precision_to_unified_args("apex-O4")  # type: ignore[arg-type]
 
 
 def test_evaluation_metrics_are_what_this_validation_or_test_run_logged_and_not_trainings() -> None:

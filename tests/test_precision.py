@@ -185,6 +185,10 @@ def test_native_strings_run_torchs_amp_even_where_apex_is_importable(
         ("16-true", "HalfPrecision"),
         ("bf16-true", "HalfPrecision"),
         ("64-true", "DoublePrecision"),
+        ("64", "DoublePrecision"),
+        ("bf16", "MixedPrecision"),
+        ("16", "MixedPrecision"),
+        (16, "MixedPrecision"),
     ],
 )
 def test_lightnings_own_values_behave_as_before(value: Any, plugin_type: str, flavour: Flavour) -> None:
@@ -192,10 +196,20 @@ def test_lightnings_own_values_behave_as_before(value: Any, plugin_type: str, fl
     assert type(plugin) is getattr(flavour.pl.plugins.precision, plugin_type)
 
 
-@pytest.mark.parametrize("value", ["apex-O9", "amp-O4", "apex-o1", "apex", "native-O4", "native"])
-def test_other_values_are_still_rejected_by_lightning(value: str, flavour: Flavour) -> None:
-    with pytest.raises(ValueError, match="is invalid"):
+@pytest.mark.parametrize("value", ["apex-O9", "native-O4", "apex", "native", "fp8", "half"])
+def test_other_strings_are_the_packages_to_refuse_naming_its_values(value: str, flavour: Flavour) -> None:
+    # Near one of its strings or not: Lightning's refusal would list none of them (more: test_mistyped_names.py).
+    with pytest.raises(PrecisionConfigurationError, match=f"^precision={value!r}: ") as raised:
         flavoured_trainer(flavour, precision=value)
+    assert "apex-O0 ... apex-O3, amp-O0 ... amp-O3, native-O0 ... native-O3 and Lightning's" in raised.value.fix
+    assert "32-true" in raised.value.fix and "16-mixed" in raised.value.fix
+
+
+@pytest.mark.parametrize("value", [17, 8, 1.5])
+def test_other_values_that_are_no_string_are_still_rejected_by_lightning(value: object, flavour: Flavour) -> None:
+    with pytest.raises(ValueError, match="is invalid") as raised:
+        flavoured_trainer(flavour, precision=value)
+    assert not isinstance(raised.value, PrecisionConfigurationError)
 
 
 def test_a_precision_string_and_a_precision_plugin_conflict(no_apex: None) -> None:

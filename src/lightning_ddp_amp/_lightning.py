@@ -25,6 +25,7 @@ import lightning
 import torch
 from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy  # type: ignore[attr-defined]
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
@@ -44,7 +45,7 @@ from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSamplerWrapper as UnrepeatedDistributedSamplerWrapper,
 )
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.utilities.argparse import _parse_env_variables
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -52,7 +53,7 @@ from packaging.version import Version
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.errors import StrategyConfigurationError, nearest
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,9 +109,12 @@ def install_trainer_hook(
     Why: Lightning has no public extension point for either of these.
 
     * ``Trainer(precision="apex-O1")`` / ``"amp-O1"``: Lightning validates precision strings against a fixed list,
-      so the wrapper turns ours into an :class:`~lightning_ddp_amp.AmpPrecision` plugin before Lightning sees them.
-      Any other value, valid or not, reaches Lightning unchanged, and the connector is then called with exactly the
-      Trainer's arguments.
+      so the wrapper turns ours into an :class:`~lightning_ddp_amp.AmpPrecision` plugin before Lightning sees them,
+      and refuses a string that is neither ours nor Lightning's with the nearest named (``resolve_precision``).
+      Any other value reaches Lightning unchanged, and the connector is then called with exactly the Trainer's
+      arguments.
+    * A strategy name that nothing is registered under and that is nearer envddp's names than any other (``"env_ddp"``)
+      is refused with envddp named (:func:`_refuse_mistyped_strategy`); any other name is Lightning's to judge.
     * By the time a strategy is built, ``devices="auto"`` has become a device count, so "left at auto" and
       "explicitly 1" look the same; when the strategy is ``strategy_class`` the wrapper hands it the raw ``devices``
       and ``num_nodes`` (``check_trainer_flags``), then calls its ``start_missing_ranks`` (envddp without a launcher
@@ -134,7 +138,8 @@ def install_trainer_hook(
         fabric_strategy_class: Fabric's envddp (:class:`lightning_ddp_amp.fabric.EnvDDPStrategy`), refused.
 
     Raises:
-        StrategyConfigurationError: ``Trainer(strategy=fabric_strategy_class(...))``.
+        StrategyConfigurationError: ``Trainer(strategy=fabric_strategy_class(...))``, or a mistyped envddp.
+        PrecisionConfigurationError: a precision string neither Lightning nor this package knows.
     """
     if getattr(_AcceleratorConnector.__init__, _MARK, False):
         return
@@ -154,6 +159,7 @@ def install_trainer_hook(
         arguments.apply_defaults()
         given = arguments.arguments
         _refuse_other_front(given["strategy"], fabric_strategy_class, strategy_class, "Trainer")
+        _refuse_mistyped_strategy(given["strategy"], StrategyRegistry, strategy_class)
         precision, plugins = resolve_precision(given["precision"], given["plugins"])
         unchanged = precision is given["precision"] and plugins is given["plugins"]
         given["precision"], given["plugins"] = precision, plugins
@@ -189,9 +195,11 @@ def install_fabric_hook(
 
     Why: Fabric has no precision registry and validates precision strings against a fixed list, refusing a plugin
     instance as ``precision=`` too. ``Fabric(precision="apex-O1")`` is turned into an AmpPrecision in ``plugins``
-    before Fabric sees it; any other value reaches Fabric unchanged. When the strategy is ``strategy_class`` it gets
-    Fabric's raw ``devices`` and ``num_nodes`` (``check_fabric_flags``: Fabric overwrites a strategy's ``num_nodes``
-    with its own), and a ``precision_class`` plugin gets the finished strategy and device (``check_fabric_setup``).
+    before Fabric sees it, and a string that is neither ours nor Lightning's is refused with the nearest named, as is
+    a mistyped envddp (:func:`_refuse_mistyped_strategy`); any other value reaches Fabric unchanged. When the
+    strategy is ``strategy_class`` it gets Fabric's raw ``devices`` and ``num_nodes`` (``check_fabric_flags``: Fabric
+    overwrites a strategy's ``num_nodes`` with its own), and a ``precision_class`` plugin gets the finished strategy
+    and device (``check_fabric_setup``).
     A ``strategy_class`` built with its accelerator hands it to the connector as ``Fabric(accelerator=...)``
     (:func:`_hand_over_accelerator`), and the Trainer's envddp is refused with the import of Fabric's. Idempotent.
 
@@ -202,7 +210,8 @@ def install_fabric_hook(
         trainer_strategy_class: The Trainer's envddp (:class:`lightning_ddp_amp.EnvDDPStrategy`), refused.
 
     Raises:
-        StrategyConfigurationError: ``Fabric(strategy=trainer_strategy_class(...))``.
+        StrategyConfigurationError: ``Fabric(strategy=trainer_strategy_class(...))``, or a mistyped envddp.
+        PrecisionConfigurationError: a precision string neither Lightning nor this package knows.
     """
     if getattr(_Connector.__init__, _MARK, False):
         return
@@ -215,6 +224,7 @@ def install_fabric_hook(
         arguments.apply_defaults()
         given = arguments.arguments
         _refuse_other_front(given["strategy"], trainer_strategy_class, strategy_class, "Fabric")
+        _refuse_mistyped_strategy(given["strategy"], FABRIC_STRATEGY_REGISTRY, strategy_class)
         given["precision"], given["plugins"] = resolve_precision(given["precision"], given["plugins"])
         with _hand_over_accelerator(given, strategy_class):
             original(*arguments.args, **arguments.kwargs)
@@ -272,6 +282,28 @@ def _refuse_other_front(strategy: object, other_class: type[Any], own_class: typ
             f"use {the[front]}'s: `from {_exported_by(own_class)} import {own_class.__name__}`, or"
             f' {front}(strategy="envddp")',
         )
+
+
+def _refuse_mistyped_strategy(strategy: object, registry: StrategyRegistryType, strategy_class: type[Any]) -> None:
+    """Refuse a strategy name that nothing is registered under and that is nearer a name of ``strategy_class`` than
+    any other (``"env_ddp"``, ``"envdpp"``), naming it. Why: Lightning's own refusal lists a few of its strategies and
+    never envddp, so the user believes the package did not register. Lightning ignores the case of a name, as here.
+
+    Raises:
+        StrategyConfigurationError: ``strategy`` is such a name.
+    """
+    if not isinstance(strategy, str) or strategy.lower() in ("auto", *registry):
+        return
+    near = nearest(strategy, ("auto", *registry))
+    if near is None or near == "auto" or registry[near]["strategy"] is not strategy_class:
+        return
+    ours = " and ".join(repr(name) for name, entry in registry.items() if entry["strategy"] is strategy_class)
+    raise StrategyConfigurationError(
+        "strategy",
+        strategy,
+        "no strategy is registered under this name",
+        f"did you mean {near!r}? lightning_ddp_amp registers {ours}",
+    )
 
 
 def _exported_by(cls: type[Any]) -> str:

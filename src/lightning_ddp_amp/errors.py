@@ -6,6 +6,8 @@ Every message names the setting that is wrong, the value it had, and what to do 
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -79,3 +81,22 @@ def whole_number(
     ):
         raise error(field, value, problem, fix)
     return value
+
+
+def nearest(value: str, names: Iterable[str]) -> str | None:
+    """The name in ``names`` that ``value`` was most likely meant to be, for a message's "did you mean ...?"; None
+    when none is near.
+
+    Case, ``0`` for ``O`` and ``_`` for ``-`` do not count (``"apex-01"``, ``"AMP-o1"``, ``"apex_O1"`` are as near
+    as ``"apex-O1"`` itself; ``"env_ddp"`` is ``"env-ddp"``); the rest is :func:`difflib.get_close_matches`'s call.
+    Of two names that differ only so, the first is named.
+    """
+
+    def key(name: str) -> str:
+        return name.casefold().replace("0", "o").replace("_", "-")
+
+    by_key: dict[str, str] = {}
+    for name in names:
+        by_key.setdefault(key(name), name)
+    found = difflib.get_close_matches(key(value), by_key, n=1)
+    return by_key[found[0]] if found else None

@@ -476,7 +476,7 @@ class SkipAwareScheduler:
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
     """``Trainer(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` as an :class:`AmpPrecision` in ``plugins``
     (:func:`~lightning_ddp_amp.precision_strings.resolve_flag`)."""
-    return resolve_flag(precision, plugins, AmpPrecision, Precision)
+    return resolve_flag(precision, plugins, AmpPrecision, Precision, _lightning.precision_values())
 
 
 def _trainer_fn(model: Module) -> TrainerFn | None:

@@ -346,7 +346,7 @@ class AmpPrecision(Precision):
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
     """``Fabric(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` as an :class:`AmpPrecision` in ``plugins``
     (:func:`~lightning_ddp_amp.precision_strings.resolve_flag`)."""
-    return resolve_flag(precision, plugins, AmpPrecision, Precision)
+    return resolve_flag(precision, plugins, AmpPrecision, Precision, _lightning.precision_values())
 
 
 #: apex's calls a kept line of the classic loop may hand Fabric's optimizer wrapper to, and what replaces each.
