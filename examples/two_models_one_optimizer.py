@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoints", default="checkpoints", help="the directory rank 0 saves to")
+    parser.add_argument("--checkpoints", default="runs/two_models_one_optimizer", help="the directory rank 0 saves to")
+    parser.add_argument("--resume", help="a checkpoint to continue: one it saved, or one convert_apex_checkpoint wrote")
     # What `python -m torch.distributed.launch` without --use-env passes; envddp reads it, argparse must accept it.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = parser.parse_args()
@@ -82,7 +83,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(TwoModels(args.lr), loader)
+    trainer.fit(TwoModels(args.lr), loader, ckpt_path=args.resume)
     if trainer.is_global_zero:
         plugin = trainer.precision_plugin
         how = f"{plugin.backend} amp {plugin.opt_level}" if isinstance(plugin, AmpPrecision) else trainer.precision

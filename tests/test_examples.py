@@ -3,13 +3,15 @@ the others on ranks forked from the preloaded interpreter (conftest.Preloaded), 
 
 from __future__ import annotations
 
+import ast
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Preloaded, Torchrun, check, needs_cpu_fp16, worker_env
+from conftest import Preloaded, Torchrun, check, free_port, needs_cpu_fp16, worker_env
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -92,6 +94,38 @@ def test_the_migrated_script_ends_in_the_classic_scripts_weights(
     torch.randn(1024, 32)
     initial = torch.nn.Linear(32, 128).weight
     assert (initial - weights["model_a.layers.0.weight"]).abs().max() > 1e-3
+
+
+def documented_cpu_command(script: Path) -> list[str]:
+    """The command ``script``'s docstring shows for a CPU machine: its line commented ``# on the CPU``."""
+    docstring = ast.get_docstring(ast.parse(script.read_text())) or ""
+    (line,) = [line for line in docstring.splitlines() if "# on the CPU" in line]
+    return shlex.split(line, comments=True)
+
+
+@needs_cpu_fp16
+def test_the_fabric_example_runs_on_the_cpu_as_its_documented_command_says(tmp_path: Path) -> None:
+    # The command as docs/fabric.md shows it, word for word from a folder that holds examples/ (as the repository's
+    # root does) on a machine without apex: amp-O1, the default, trains on torch's AMP, and the checkpoint goes under
+    # runs/, which the repository ignores.
+    command = documented_cpu_command(EXAMPLES / "fabric" / "train.py")
+    assert command == ["torchrun", "--nproc-per-node=2", "examples/fabric/train.py"]
+    (tmp_path / "examples").symlink_to(EXAMPLES)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}"]
+    result = subprocess.run(
+        [*torchrun, *command[1:]], cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    said = result.stdout + result.stderr
+    assert "AmpPrecision: NVIDIA apex amp is not importable, so opt_level O1 runs on torch.amp" in said
+    assert "envddp: 2 ranks on 1 node(s), backend gloo, started by torchrun" in said
+    assert [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("epoch ")] == [
+        "epoch 0",
+        "epoch 1",
+    ]
+    saved = torch.load(tmp_path / "runs" / "fabric" / "checkpoint.pt", weights_only=False)
+    assert saved["epoch"] == 2  # the epochs done, as the classic script counts them
+    assert saved["amp"]["backend"] == "native"
 
 
 def test_multinode_example_runs_two_local_nodes() -> None:

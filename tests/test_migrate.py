@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
+import runpy
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from conftest import Preloaded, max_abs_difference, needs_cpu_fp16
+from conftest import Preloaded, Torchrun, check, max_abs_difference, needs_cpu_fp16
 
 from lightning_ddp_amp import AmpPrecision, CheckpointError, convert_apex_checkpoint
 from lightning_ddp_amp.migrate import CONVERTED_KEY
@@ -161,6 +164,57 @@ def test_a_classic_apex_checkpoint_continues_under_torchs_amp_with_its_loss_scal
     assert max_abs_difference(run.uninterrupted["model"], native["model"]) < 1e-2
 
 
+# --- the classic example, stopped, then continued by its own resume and under the Trainer ---------------------
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+EXAMPLE_STEPS = 16  # a training epoch of examples/classic/train.py on 2 ranks: 1024 samples, 32 a rank a batch
+
+
+def reported(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        record.getMessage() for record in caplog.records if record.getMessage().startswith("convert_apex_checkpoint:")
+    ]
+
+
+@pytest.mark.multiprocess
+@needs_cpu_fp16
+def test_the_classic_examples_checkpoint_continues_under_the_trainer_with_the_epochs_its_own_resume_trains(
+    torchrun: Torchrun, preloaded: Preloaded, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # examples/classic/train.py (the apex double) trains 2 epochs and saves "epoch": 2, the epochs done, as apex's
+    # ImageNet example does; its own --resume then trains epoch 2 alone.
+    classic, resumed = tmp_path / "classic.pt", tmp_path / "resumed.pt"
+    script = str(EXAMPLES / "classic" / "train.py")
+    check(torchrun.run(script, "--checkpoint", str(classic), apex_double=True))
+    more = ("--epochs", "3", "--resume", str(classic), "--checkpoint", str(resumed))
+    said = check(torchrun.run(script, *more, apex_double=True)).stdout
+    assert [line.split(":")[0] for line in said.splitlines() if line.startswith("epoch ")] == ["epoch 2"]
+    # Converted, it says where the Trainer continues, and what the file cannot say: the step count.
+    two_models = runpy.run_path(str(EXAMPLES / "two_models_one_optimizer.py"))["TwoModels"]
+    with caplog.at_level(logging.INFO):
+        default = convert_apex_checkpoint(classic, two_models())
+    # Word for word what docs/resume.md shows for this checkpoint.
+    (report,) = reported(caplog)
+    page = (EXAMPLES.parent / "docs" / "resume.md").read_text()
+    shown = "convert_apex_checkpoint:" + page.split("```text\nconvert_apex_checkpoint:", 1)[1].split("```", 1)[0]
+    paths = {"runs/classic/checkpoint-lightning.ckpt": str(default), "runs/classic/checkpoint.pt": str(classic)}
+    assert report + "\n" == re.sub("|".join(map(re.escape, paths)), lambda found: paths[found.group()], shown)
+    assert "continues it at epoch 2, global step 0." in report and "it holds no step count" in report
+    # With the steps done passed, the migrated example trains epoch 2 alone and counts its steps on from there.
+    converted = convert_apex_checkpoint(classic, two_models(), tmp_path / "c.ckpt", global_step=2 * EXAMPLE_STEPS)
+    migrated = tmp_path / "migrated"
+    ran = preloaded.run(
+        str(EXAMPLES / "two_models_one_optimizer.py"), *more[:2], "--resume", str(converted),
+        "--checkpoints", str(migrated), log=tmp_path / "logs",
+    ).check()  # fmt: skip
+    assert "trained under apex amp O1 on 2 rank(s)" in ran.stdout
+    assert [path.name for path in migrated.iterdir()] == [f"epoch=2-step={3 * EXAMPLE_STEPS}.ckpt"]
+    after = torch.load(next(migrated.iterdir()), weights_only=False)["state_dict"]
+    before = torch.load(resumed, weights_only=False)
+    weights = {f"{model}.{name}": value for model in ("model_a", "model_b") for name, value in before[model].items()}
+    assert max_abs_difference(weights, after) == 0.0
+
+
 # --- the mapping, in this process ------------------------------------------------------------------------------
 
 
@@ -217,6 +271,51 @@ def test_sub_models_go_under_the_submodules_they_are_named_after_and_the_rest_is
     fit = out["loops"]["fit_loop"]
     assert fit["epoch_progress"]["current"]["completed"] == 5
     assert fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]["completed"] == 40
+
+
+def test_the_report_names_the_entries_read_and_the_counts_passed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    module = TwoModels()
+    amp = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}}
+    path = save(
+        tmp_path, model_a=weights(module.model_a), model_b=weights(module.model_b), amp=amp,
+        scheduler={"last_epoch": 40}, epoch=5, step=40,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        convert_apex_checkpoint(path, module)
+        convert_apex_checkpoint(path, module, epoch=6, global_step=48)
+    read, passed = (report.splitlines() for report in reported(caplog))
+    assert read[1:3] == [
+        "  epoch 5: its 'epoch' (5), read as the epochs done, as apex's ImageNet example saves epoch + 1 (if it is the"
+        " epoch last trained, pass epoch=6)",
+        "  global step 40: its 'step' (40), the optimizer steps done",
+    ]
+    assert read[3:] == [
+        "  carried: the weights (model_a, model_b), the LR scheduler's state, apex amp O1's loss scale (1024)",
+        "  not in it: the optimizer's state ('optimizer': momentum and Adam's moments start at zero)",
+    ]
+    assert passed[1:3] == [
+        "  epoch 6: epoch=6, as passed (its 'epoch' holds 5)",
+        "  global step 48: global_step=48, as passed",
+    ]
+
+
+def test_without_an_amp_state_no_apex_state_is_written_and_the_report_names_no_backend(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # apex's ImageNet example saves no amp.state_dict(): nothing in the file says how it was trained.
+    module = OneModel()
+    path = save(tmp_path, model=weights(module.net), optimizer=sgd_state(module.net), epoch=3)
+    with caplog.at_level(logging.INFO):
+        out = converted(convert_apex_checkpoint(path, module))
+    assert AmpPrecision.__qualname__ not in out
+    (report,) = reported(caplog)
+    assert "apex amp" not in report and "O1" not in report
+    assert report.splitlines()[-1] == (
+        "  not in it: the LR scheduler's state ('scheduler': a schedule starts from its beginning), a loss scale"
+        " ('amp': the loss scaler starts at its initial scale)"
+    )
 
 
 def test_fp16_weights_are_apex_o2s_and_become_fp32_to_rebuild_the_masters_from(tmp_path: Path) -> None:

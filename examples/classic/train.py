@@ -1,10 +1,13 @@
 """The classic script examples/two_models_one_optimizer.py replaces: DDP, a DistributedSampler and NVIDIA apex amp,
 by hand, with two sub-models sharing one optimizer (README, "Migrating a classic script").
 
-    torchrun --nproc-per-node=8 examples/classic/train.py    # NCCL on cuda:LOCAL_RANK, apex amp O1
+    torchrun --nproc-per-node=8 examples/classic/train.py    # needs GPUs and NVIDIA apex: NCCL, apex amp O1
+    PYTHONPATH=tests/doubles torchrun --nproc-per-node=2 examples/classic/train.py    # on the CPU: apex's test double
 
-It needs NVIDIA apex (releases up to 25.05, built with CUDA). The tests run it on CPU ranks with gloo and the apex
-test double (tests/doubles), and check that the migrated script ends in the same weights.
+It needs NVIDIA apex (releases up to 25.05, built with CUDA); on a CPU machine this repository's CPU test double of
+apex (tests/doubles) stands in, on gloo, as in the tests that check the migrated scripts end in its weights. After
+each epoch rank 0 saves runs/classic/checkpoint.pt with the epochs done under "epoch" (epoch + 1, as apex's ImageNet
+example saves it): --resume continues it here, convert_apex_checkpoint under the Trainer (docs/resume.md).
 """
 
 import argparse
@@ -43,7 +46,7 @@ def main() -> None:
     parser.add_argument("--opt-level", default="O1")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoint", default="checkpoint.pt")
+    parser.add_argument("--checkpoint", default="runs/classic/checkpoint.pt")
     parser.add_argument("--resume", default="", help="a checkpoint this script saved")
     parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     parser.add_argument("--clip", type=float, default=0.0, help="max gradient norm; 0: no clipping")
@@ -80,7 +83,7 @@ def main() -> None:
         model_b.module.load_state_dict(checkpoint["model_b"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         amp.load_state_dict(checkpoint["amp"])
-        start = checkpoint["epoch"] + 1
+        start = checkpoint["epoch"]  # the epochs done
 
     for epoch in range(start, args.epochs):
         if sampler is not None:
@@ -104,7 +107,8 @@ def main() -> None:
         if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.4f}")
             state = {"model_a": model_a.module.state_dict(), "model_b": model_b.module.state_dict()}
-            state |= {"optimizer": optimizer.state_dict(), "amp": amp.state_dict(), "epoch": epoch}
+            state |= {"optimizer": optimizer.state_dict(), "amp": amp.state_dict(), "epoch": epoch + 1}
+            os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
             torch.save(state, args.checkpoint)
     # Let go of everything that holds the last collectives (the DDP models, the loss's graph, the optimizer) while
     # the interpreter is still alive: a gloo worker that frees one after Python began to exit aborts the process.

@@ -1,10 +1,12 @@
 """The classic script (examples/classic/train.py) with its hand-written loop kept, under Lightning Fabric: envddp
 reads the launcher, apex amp runs as before, and a dozen lines changed (docs/fabric.md shows the diff).
 
-    torchrun --nproc-per-node=8 examples/fabric/train.py    # NCCL on cuda:LOCAL_RANK, apex amp O1
+    torchrun --nproc-per-node=8 examples/fabric/train.py    # amp-O1: apex O1 on GPUs with apex
+    torchrun --nproc-per-node=2 examples/fabric/train.py    # on the CPU: torch's AMP O1
 
-The tests run it on CPU ranks with gloo and the apex test double (tests/doubles), and check that it ends in the
-classic script's weights.
+--precision apex-O1 insists on apex, as the classic script does. The tests run it on CPU ranks with gloo and the apex
+test double (tests/doubles), and check that it ends in the classic script's weights. After each epoch it saves
+runs/fabric/checkpoint.pt, with the epochs done under "epoch" as the classic script saves them.
 """
 
 import argparse
@@ -37,10 +39,10 @@ class Head(torch.nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--precision", default="apex-O1")
+    parser.add_argument("--precision", default="amp-O1", help="apex-O*, amp-O*, native-O* or any Lightning value")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoint", default="checkpoint.pt")
+    parser.add_argument("--checkpoint", default="runs/fabric/checkpoint.pt")
     parser.add_argument("--resume", default="", help="a checkpoint this script saved")
     parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     parser.add_argument("--clip", type=float, default=0.0, help="max gradient norm; 0: no clipping")
@@ -61,11 +63,11 @@ def main() -> None:
     [model_a, model_b], optimizer = setup_models(fabric, [model_a, model_b], optimizer)
 
     state = {"model_a": model_a, "model_b": model_b, "optimizer": optimizer, "amp": fabric.strategy.precision}
-    state["epoch"] = -1
+    state["epoch"] = 0  # the epochs done
     if args.resume:
         fabric.load(args.resume, state)
 
-    for epoch in range(state["epoch"] + 1, args.epochs):
+    for epoch in range(state["epoch"], args.epochs):
         loader.sampler.set_epoch(epoch)
         for step, (x, y) in enumerate(loader):
             if epoch * len(loader) + step == args.bad_batch:
@@ -82,7 +84,7 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
         fabric.print(f"epoch {epoch}: loss {loss.item():.4f}")
-        state["epoch"] = epoch
+        state["epoch"] = epoch + 1
         fabric.save(args.checkpoint, state)
 
 

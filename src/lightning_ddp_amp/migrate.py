@@ -20,6 +20,9 @@ How the classic entries become the module's names, with no options in the common
   are; ``epoch`` counts the epochs done, which is the epoch to continue at, as apex's ImageNet example saves
   ``epoch + 1``; ``step`` (or ``global_step``, ``iteration``) counts the optimizer steps done.
 
+Rank 0 says where the fit continues: the epoch and the global step, the entries they were read from, what the file
+does not hold (without a step count, Lightning's step count starts again at 0) and the arguments that set them.
+
 apex O2 trains fp32 master copies of fp16 weights, and its checkpoint holds only the fp16 weights: as apex's own
 resume does, the masters are rebuilt from them (rank 0 says so when the fit continues).
 
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 
@@ -99,15 +103,8 @@ def convert_apex_checkpoint(
     level = opt_level or ("O2" if fp16 else "O1")
     if level not in OPT_LEVELS:
         raise CheckpointError("opt_level", opt_level, "apex's opt_levels are O0, O1, O2 and O3", "e.g. opt_level='O1'")
-    done = _count(classic, "epoch", ("epoch",), epoch)
-    steps = _count(classic, "global_step", STEP_KEYS, global_step)
-    amp_state: dict[str, Any] = {
-        "backend": "apex",
-        "opt_level": level,
-        "loss_scalers": loss_scalers,
-    }
-    if level == "O2":
-        amp_state["rebuild_masters"] = True  # AmpPrecision: no fp32 masters saved; rebuilt from the fp16 weights
+    done, epoch_from = _count(classic, "epoch", ("epoch",), epoch)
+    steps, step_from = _count(classic, "global_step", STEP_KEYS, global_step)
     converted = {
         "epoch": done,
         "global_step": steps,
@@ -116,11 +113,17 @@ def convert_apex_checkpoint(
         "optimizer_states": _listed(classic, OPTIMIZER_KEYS),
         "lr_schedulers": _listed(classic, SCHEDULER_KEYS),
         "loops": _lightning.epoch_boundary_loops(done, steps),
-        AmpPrecision.__qualname__: amp_state,
         CONVERTED_KEY: {"source": str(source), "opt_level": level},
     }
+    if "amp" in classic or level in ("O2", "O3"):
+        # Without amp.state_dict() or fp16 weights, nothing of apex is in the file: no apex state to resume from.
+        amp_state: dict[str, Any] = {"backend": "apex", "opt_level": level, "loss_scalers": loss_scalers}
+        if level == "O2":
+            amp_state["rebuild_masters"] = True  # AmpPrecision: no fp32 masters saved; rebuilt from the fp16 weights
+        converted[AmpPrecision.__qualname__] = amp_state
     target = Path(out) if out is not None else source.with_name(f"{source.stem}-lightning.ckpt")
     AtomicCheckpointIO().save_checkpoint(converted, target)
+    rank_zero_info(_report(source, target, classic, converted, (epoch_from, step_from)))
     return target
 
 
@@ -241,11 +244,14 @@ def _place(
     return entry  # reported as not fitting, naming its first key
 
 
-def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> int:
-    value = given if given is not None else next((classic[key] for key in keys if key in classic), 0)
+def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> tuple[int, str | None]:
+    """The count ``field`` continues at, and where it came from: ``"field="`` (passed), the key read, or None."""
+    found = next((key for key in keys if key in classic), None)
+    source = f"{field}=" if given is not None else found
+    value = given if given is not None else classic[found] if found is not None else 0
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    return whole_number(
+    count = whole_number(
         CheckpointError,
         field,
         value,
@@ -253,6 +259,63 @@ def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: in
         f"pass {field}=N to convert_apex_checkpoint",
         minimum=0,
     )
+    return count, source
+
+
+def _report(
+    source: Path, target: Path, classic: dict[str, Any], converted: dict[str, Any], read: tuple[str | None, str | None]
+) -> str:
+    """What rank 0 says once the file is written: where the fit continues, from which entries, and what is missing."""
+    done, steps = converted["epoch"], converted["global_step"]
+    epoch_from, step_from = read
+    if epoch_from == "epoch=":
+        epoch = f"epoch={done}, as passed" + (
+            f" (its 'epoch' holds {classic['epoch']!r})" if "epoch" in classic else ""
+        )
+    elif epoch_from is not None:
+        epoch = (
+            f"its 'epoch' ({done}), read as the epochs done, as apex's ImageNet example saves epoch + 1 (if it is the"
+            f" epoch last trained, pass epoch={done + 1})"
+        )
+    else:
+        epoch = "it holds no 'epoch', so the fit starts at the first epoch; pass epoch=N, the epochs done"
+    if step_from == "global_step=":
+        step = f"global_step={steps}, as passed"
+    elif step_from is not None:
+        step = f"its {step_from!r} ({steps}), the optimizer steps done"
+    else:
+        step = (
+            f"it holds no step count ({', '.join(map(repr, STEP_KEYS))}), so Lightning's step count starts again at 0,"
+            " and with it step-based schedules that read it, the checkpoint names (step=N), every_n_train_steps,"
+            " max_steps and the loggers' step axis; pass global_step=N, the optimizer steps done (epochs done times"
+            " steps per epoch)"
+        )
+    carried = [f"the weights ({', '.join(key for key, value in classic.items() if _is_weights(value))})"]
+    missing = []
+    for kind, entry, key, afresh in (
+        ("the optimizer's state", "optimizer_states", "optimizer", "momentum and Adam's moments start at zero"),
+        ("the LR scheduler's state", "lr_schedulers", "scheduler", "a schedule starts from its beginning"),
+    ):
+        if converted[entry]:
+            carried.append(kind)
+        else:
+            missing.append(f"{kind} ({key!r}: {afresh})")
+    amp = converted.get(AmpPrecision.__qualname__)
+    if "amp" in classic and amp is not None:
+        scales = ", ".join(f"{scaler['loss_scale']:g}" for scaler in amp["loss_scalers"]) or "none"
+        carried.append(f"apex amp {amp['opt_level']}'s loss scale ({scales})")
+    else:
+        missing.append("a loss scale ('amp': the loss scaler starts at its initial scale)")
+    lines = [
+        f"convert_apex_checkpoint: wrote {target} from {source}; trainer.fit(ckpt_path=...) continues it at epoch"
+        f" {done}, global step {steps}.",
+        f"  epoch {done}: {epoch}",
+        f"  global step {steps}: {step}",
+        f"  carried: {', '.join(carried)}",
+    ]
+    if missing:
+        lines.append(f"  not in it: {', '.join(missing)}")
+    return "\n".join(lines)
 
 
 def _loss_scalers(source: Path, amp_state: object) -> list[dict[str, float]]:

@@ -69,7 +69,7 @@ def main() -> None:
                 optimizer.zero_grad()
         if rank == 0:
             state = {"model_a": model_a.module.state_dict(), "model_b": model_b.module.state_dict()}
-            torch.save({**state, "scaler": scaler.state_dict(), "epoch": epoch}, args.checkpoint)
+            torch.save({**state, "scaler": scaler.state_dict(), "epoch": epoch + 1}, args.checkpoint)  # epochs done
     del model_a, model_b, loss, optimizer
     gc.collect()
     dist.destroy_process_group()

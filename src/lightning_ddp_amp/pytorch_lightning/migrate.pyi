@@ -21,6 +21,9 @@ How the classic entries become the module's names, with no options in the common
   are; ``epoch`` counts the epochs done, which is the epoch to continue at, as apex's ImageNet example saves
   ``epoch + 1``; ``step`` (or ``global_step``, ``iteration``) counts the optimizer steps done.
 
+Rank 0 says where the fit continues: the epoch and the global step, the entries they were read from, what the file
+does not hold (without a step count, Lightning's step count starts again at 0) and the arguments that set them.
+
 apex O2 trains fp32 master copies of fp16 weights, and its checkpoint holds only the fp16 weights: as apex's own
 resume does, the masters are rebuilt from them (rank 0 says so when the fit continues).
 
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 
@@ -125,7 +129,15 @@ def _place(
     ...
 
 
-def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> int:
+def _count(classic: dict[str, Any], field: str, keys: tuple[str, ...], given: int | None) -> tuple[int, str | None]:
+    """The count ``field`` continues at, and where it came from: ``"field="`` (passed), the key read, or None."""
+    ...
+
+
+def _report(
+    source: Path, target: Path, classic: dict[str, Any], converted: dict[str, Any], read: tuple[str | None, str | None]
+) -> str:
+    """What rank 0 says once the file is written: where the fit continues, from which entries, and what is missing."""
     ...
 
 
