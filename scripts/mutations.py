@@ -480,6 +480,25 @@ MUTATIONS = (
         "",
         ("tests/test_everyday.py", "-k", "no_warning_of_the_fit"),
     ),
+    Mutation(
+        "converted-epoch-as-last-trained",
+        "convert_apex_checkpoint reads 'epoch' as the epoch last trained (one more done): the fit skips an epoch the"
+        " classic resume trains",
+        "migrate.py",
+        '    done, epoch_from = _count(classic, "epoch", ("epoch",), epoch)\n',
+        '    done, epoch_from = _count(classic, "epoch", ("epoch",), epoch)\n    done += epoch is None and "epoch" in classic\n',
+        (
+            "tests/test_migrate.py::test_the_classic_examples_checkpoint_continues_under_the_trainer_with_the_epochs_its_own_resume_trains",
+        ),
+    ),
+    Mutation(
+        "converted-apex-state-without-amp",
+        "a classic checkpoint without amp.state_dict() still gets an apex state, and its resume names apex",
+        "migrate.py",
+        '    if "amp" in classic or level in ("O2", "O3"):\n',
+        "    if True:\n",
+        ("tests/test_migrate.py::test_without_an_amp_state_no_apex_state_is_written_and_the_report_names_no_backend",),
+    ),
 )
 
 
