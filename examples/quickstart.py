@@ -1,8 +1,4 @@
-"""The README's first example: a LightningModule trained by envddp under amp-O1, on any machine.
-
-torchrun --nproc-per-node=2 examples/quickstart.py    # 2 ranks (gloo on the CPU, NCCL on GPUs)
-python examples/quickstart.py                         # the same script in one process
-"""
+"""The README's first example: a LightningModule trained by envddp under amp-O1, on any machine (README, "A first run")."""
 
 import lightning as L
 import torch

@@ -185,3 +185,8 @@ def test_every_relative_link_reaches_a_file_and_its_heading(page: Path) -> None:
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             dead.append(f"{target}: {linked.relative_to(REPO)} has no heading #{anchor}")
     assert dead == [], f"{page.relative_to(REPO)} links to what is not there"
+
+
+def test_the_readme_stays_a_front_page() -> None:
+    # The reference lives in docs/ (STYLE.md): the README is read to the end by a newcomer.
+    assert len((REPO / "README.md").read_text().splitlines()) <= 300
