@@ -17,12 +17,14 @@ import shutil
 import subprocess
 import sys
 import typing
+import warnings
 from copy import deepcopy
 from pathlib import Path
 from types import ModuleType, UnionType
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy
 import pytest
 import torch
 import typing_extensions
@@ -267,6 +269,22 @@ def test_rank_zero_says_once_what_was_replaced(learning_rates: LearningRates) ->
         assert output.count(f"lightning-ddp-amp compare [{name}]: this run's Trainer was changed:") == 1
     assert f"max_steps=-1 -> {STEPS}" in output
     assert "ModelCheckpoint(dirpath=" in output and "CSVLogger writes to" in output
+    assert "precision='32-true' -> '32-true'" not in output  # the script's own precision: no change
+    assert not any(line.startswith("precision=") for line in candidate(learning_rates.report, "32-true")["replaced"])
+
+
+@pytest.mark.parametrize(
+    ("script_precision", "listed"), [("bf16-mixed", []), ("32-true", ["'32-true' -> 'bf16-mixed'"])]
+)
+def test_the_precision_is_listed_as_a_change_only_where_the_run_changes_it(
+    script_precision: str, listed: list[str], tmp_path: Path
+) -> None:
+    defaults = compare_patching._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
+    changes = compare_recording.Changes()
+    plan = Plan("bf16-mixed", "bf16-mixed", STEPS, str(tmp_path))
+    compare_patching._replace_arguments({"precision": script_precision}, defaults, plan, changes, pl)
+    said = [change.removeprefix("precision=") for change in changes.replaced if change.startswith("precision=")]
+    assert said == listed
 
 
 def test_compare_json_follows_the_documented_schema(learning_rates: LearningRates) -> None:
@@ -303,14 +321,18 @@ def test_the_picture_has_eight_titled_panels_whose_series_equal_the_json_under_a
             assert not axis.get_lines() and list(axis.get_yticks()) == []
             assert [text.get_text() for text in axis.texts] == [compare_picture.NO_LOSS_SCALE]
             continue
-        lines = {line.get_label(): line for line in axis.get_lines() if not line.get_label().startswith("_")}
+        lines = {
+            line.get_label().split(", same curve as ")[0]: line
+            for line in axis.get_lines()
+            if not line.get_label().startswith(("_", "tolerance"))
+        }
         for label, line in lines.items():
             colours.setdefault(label, set()).add(str(line.get_color()))
         drawn = ["32-true#2", "32-true#3", "32-true#4", "32-true#5"]  # the crashed #4 keeps the step it took
         if key not in ("relative_loss_difference", "weight_distance"):
             drawn.insert(0, "32-true")
-        if key in ("relative_loss_difference", "weight_distance"):
-            drawn.remove("32-true#4")  # never compared
+        if key in ("relative_loss_difference", "weight_distance", "step_time_s"):
+            drawn.remove("32-true#4")  # never compared; its one step is the warm-up, which step times leave out
         assert sorted(lines) == sorted(f"{n} ({candidate(report, n)['status']})" for n in drawn), name
         for label, line in lines.items():
             entry = candidate(report, label.split(" ")[0])
@@ -324,8 +346,76 @@ def test_the_picture_has_eight_titled_panels_whose_series_equal_the_json_under_a
     assert compare_picture.points(candidate(report, "32-true"), "step_time_s")[0][0] == 1
     assert all(len(found) == 1 for found in colours.values()), colours
     assert len({colour for found in colours.values() for colour in found}) == len(colours)
-    tolerance = [line for line in figure.axes[2].get_lines() if line.get_label() == "_tolerance"]
-    assert list(tolerance[0].get_ydata()) == [100 * report["tolerance"]["weights"]] * 2
+    for axis, tolerance in ((figure.axes[1], "loss"), (figure.axes[2], "weights")):
+        value = 100 * report["tolerance"][tolerance]
+        (line,) = [line for line in axis.get_lines() if line.get_label() == f"tolerance {value:.3g}%"]
+        assert list(line.get_ydata()) == [value] * 2
+
+
+def test_curves_that_lie_on_each_other_take_turns_and_the_legend_names_the_run_each_covers(
+    learning_rates: LearningRates,
+) -> None:
+    image = pytest.importorskip("matplotlib.image", reason="the [compare] extra is not installed (make test has it)")
+    from matplotlib.colors import to_rgb
+
+    # 32-true#2 and #5 trained as the baseline did: three equal loss curves, each still seen.
+    figure = compare_picture.plot(learning_rates.report, learning_rates.cwd / "turns.png")
+    loss = figure.axes[0]
+    assert [text.get_text() for text in loss.get_legend().get_texts()] == [
+        "32-true (baseline)",
+        "32-true#2 (identical), same curve as 32-true",
+        "32-true#3 (apart)",
+        "32-true#4 (failed)",
+        "32-true#5 (identical), same curve as 32-true",
+    ]
+    loss.get_legend().set_visible(False)
+    figure.savefig(learning_rates.cwd / "turns.png", dpi=figure.dpi)  # pixels where the window extents say
+    pixels = image.imread(learning_rates.cwd / "turns.png")[..., :3]
+    box = loss.get_window_extent()
+    panel = pixels[int(pixels.shape[0] - box.y1) : int(pixels.shape[0] - box.y0), int(box.x0) : int(box.x1)]
+    colours = {line.get_label().split(" ")[0]: line.get_color() for line in loss.get_lines()}
+    for name in ("32-true", "32-true#2", "32-true#5"):
+        seen = int((numpy.linalg.norm(panel - numpy.array(to_rgb(colours[name])), axis=-1) < 0.1).sum())
+        assert seen > 50, (name, seen)
+
+
+def test_the_difference_panels_start_at_zero_and_say_their_tolerance_in_the_legend(
+    learning_rates: LearningRates,
+) -> None:
+    pytest.importorskip("matplotlib", reason="the [compare] extra is not installed (make test has it)")
+    figure = compare_picture.plot(learning_rates.report, learning_rates.cwd / "zero.png")
+    for axis, tolerance in ((figure.axes[1], "2%"), (figure.axes[2], "5%")):
+        assert axis.get_ylim()[0] == 0  # no room for a negative difference, which cannot happen
+        assert f"tolerance {tolerance}" in [text.get_text() for text in axis.get_legend().get_texts()]
+        assert not axis.texts  # no label on the line, which a legend could cover
+
+
+def test_the_loss_scale_panel_draws_only_runs_with_a_scale_and_marks_each_skipped_step(overflows: Overflows) -> None:
+    pytest.importorskip("matplotlib", reason="the [compare] extra is not installed (make test has it)")
+    figure = compare_picture.plot(overflows.report, overflows.cwd / "scale.png")
+    scale = figure.axes[3]
+    assert [text.get_text() for text in scale.get_legend().get_texts()] == [
+        "native-O1 (apart)",
+        "apex-O1 (apart), same curve as native-O1",
+    ]
+    for line in scale.get_lines():
+        assert line.get_marker() == compare_picture.SKIPPED_MARKER and line.get_markevery() == [5]  # step 5
+        assert line.get_markeredgecolor() == "black"
+    assert scale.get_lines()[0].get_markersize() >= 12 > scale.get_lines()[1].get_markersize()
+
+
+def test_a_panel_without_a_run_to_draw_still_says_its_tolerance_and_matplotlib_warns_nothing(
+    learning_rates: LearningRates,
+) -> None:
+    pytest.importorskip("matplotlib", reason="the [compare] extra is not installed (make test has it)")
+    report = deepcopy(learning_rates.report)
+    # The baseline and a run that crashed at its first step: no difference to draw, no step time after the warm-up.
+    report["candidates"] = [candidate(report, "32-true"), candidate(report, "32-true#4")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend"
+        figure = compare_picture.plot(report, learning_rates.cwd / "quiet.png")
+    legends = [[text.get_text() for text in axis.get_legend().get_texts()] for axis in figure.axes[1:3]]
+    assert legends == [["tolerance 2%"], ["tolerance 5%"]]
 
 
 def test_without_matplotlib_the_table_and_json_are_written_and_one_line_says_how_to_get_the_picture(
@@ -486,6 +576,25 @@ def test_a_metric_the_baseline_never_logged_stops_compare_before_any_other_run(t
     assert (tmp_path / "out" / "1-32-true" / "record.json").is_file()
     report = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert [entry["name"] for entry in report["candidates"]] == ["32-true"] and report["problem"]
+
+
+def test_a_baseline_that_fails_stops_compare_before_any_other_run(tmp_path: Path) -> None:
+    result = run_compare(
+        tmp_path, "32-true", "bf16-mixed", "--noise-floor", "--out", "out",
+        "--", sys.executable, "-c", "raise SystemExit(3)",
+    )  # fmt: skip
+    output = " ".join(result.stdout.split())
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "compare: the baseline 32-true failed: no other run is started" in output
+    assert "compare [2/3]" not in output and sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "1-32-true",
+        "compare.json",
+    ]
+    assert "compare: 1 run, baseline 32-true, on " in output  # one run, and no steps it did not take
+    assert "32-true: FAILED: the command exited with status 3 (its output is above)" in output
+    assert "NOT COMPARED: the baseline 32-true failed, so there is nothing to compare against" in output
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert [(entry["name"], entry["status"]) for entry in report["candidates"]] == [("32-true", "failed")]
 
 
 def test_a_metric_the_baseline_never_logged_is_a_problem_naming_those_it_did(
@@ -982,6 +1091,42 @@ def test_a_first_step_apart_right_after_a_skip_in_one_run_says_so_and_names_the_
     again = [Candidate(run.name, run.precision, run.command, run.directory, returncode=0) for run in runs]
     summary = compare_report.build(again, Tolerance(), steps=STEPS, argv=[])["candidates"][1]["summary"]
     assert summary["first_step_apart"] == 4 and summary["explanation"] is None
+
+
+def test_a_first_step_apart_that_one_run_alone_skipped_on_overflow_says_so_with_its_loss_scale(
+    overflows: Overflows,
+) -> None:
+    # net.2 overflows float16 in the forward at step 5: its loss is not finite there, the baseline's (float32) is.
+    said = (
+        "it leaves the tolerance at step 5, which this run alone skipped on overflow (loss scale 65536, its loss not"
+        " finite) and the baseline trained: a skipped step keeps the weights and holds the LR schedule back, so the"
+        " runs train out of phase from there"
+    )
+    for name in ("native-O1", "apex-O1"):
+        entry = candidate(overflows.report, name)
+        assert entry["summary"]["first_step_apart"] == 5 and entry["summary"]["skipped_steps"] == [5]
+        assert entry["summary"]["explanation"] == said and f"; {said}" in entry["reason"]
+        assert f"{name}: APART: " in overflows.result.stdout and said in " ".join(overflows.result.stdout.split())
+
+
+def test_a_first_step_apart_that_the_baseline_alone_skipped_says_so_and_that_this_run_trained_it(
+    learning_rates: LearningRates, tmp_path: Path
+) -> None:
+    runs = recorded_copies(learning_rates, tmp_path)
+
+    def skip_step_3(rank: dict[str, Any]) -> None:  # as a float16 baseline whose forward overflowed at step 3
+        rank["skipped"][3] = True
+        rank["loss"][3] = math.inf
+        rank["loss_scale"] = [2.0**16] * 4 + [2.0**15] * (STEPS - 4)
+
+    edit_record(runs[0], skip_step_3)
+    summary = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])["candidates"][1]["summary"]
+    assert summary is not None and summary["first_step_apart"] == 3
+    assert summary["explanation"] == (
+        "it leaves the tolerance at step 3, which the baseline alone skipped on overflow (loss scale 65536, its loss"
+        " not finite) and this run trained: a skipped step keeps the weights and holds the LR schedule back, so the"
+        " runs train out of phase from there"
+    )
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
 import os
 import re
 import shlex
@@ -45,8 +44,8 @@ from lightning_ddp_amp.compare.report import Candidate
 from lightning_ddp_amp.compare.run_folder import OUTPUT_FILES, PLAN_FILE, PLAN_VARIABLE, Plan
 from lightning_ddp_amp.compare.schema import BASELINE, CANDIDATE, NOISE_FLOOR, Role
 from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
-from lightning_ddp_amp.errors import CheckpointError
-from lightning_ddp_amp.precision_strings import OPT_LEVELS, PRECISION_FLAG
+from lightning_ddp_amp.errors import CheckpointError, PrecisionConfigurationError
+from lightning_ddp_amp.precision_strings import check_precision
 
 #: ``--steps``: enough for a loss curve to settle into its trend on most models, short enough to run before a switch.
 DEFAULT_STEPS = 200
@@ -195,8 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             snapshots, str(candidates[0].directory), perturb=candidate.role == NOISE_FLOOR,
         )  # fmt: skip
         candidate.returncode = _run(candidate, plan)
-        if index == 0 and compare_report.missing_metric(candidate, args.metric):
-            print("compare: the baseline never logged a --metric: no other run is started", flush=True)
+        stop = compare_report.stop_after_baseline(candidate, args.metric) if index == 0 else None
+        if stop is not None:
+            print(f"compare: {stop}: no other run is started", flush=True)
             candidates = candidates[:1]
             break
     report = compare_report.build(candidates, args.tolerance, steps=args.steps, argv=argv, metrics=args.metric)
@@ -205,22 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_precision(name: str, command_line: argparse.ArgumentParser) -> None:
-    """Refuse, before any run starts, a precision no run could start with (exit 2, the nearest name suggested)."""
-    lightning = _lightning.precision_values()
-    if PRECISION_FLAG.match(name) or name in lightning:
-        return
-    level = re.fullmatch(r"(apex|amp|native)-O(\d+)", name)
-    if level:
-        command_line.error(
-            f"PRECISION={name!r}: apex's opt_levels are O0 to O3. Fix: name {level.group(1)}-O0 ... {level.group(1)}-O3"
+    """Refuse, before any run starts, a precision no run could start with (exit 2, the nearest name suggested, as the
+    Trainer does)."""
+    try:
+        check_precision(
+            name, _lightning.precision_values(), field="PRECISION", unknown="not a precision compare can run"
         )
-    known = [f"{kind}-{level}" for kind in ("apex", "amp", "native") for level in OPT_LEVELS] + list(lightning)
-    nearest = difflib.get_close_matches(name, known, n=1)
-    hint = f"did you mean {nearest[0]!r}? " if nearest else ""
-    command_line.error(
-        f"PRECISION={name!r}: not a precision compare can run. Fix: {hint}Name apex-O0 ... O3, amp-O0 ... O3,"
-        f" native-O0 ... O3 or a Trainer precision ({', '.join(lightning)})"
-    )
+    except PrecisionConfigurationError as error:
+        command_line.error(str(error))
 
 
 def _refuse_command_without_separator(options: list[str], command_line: argparse.ArgumentParser) -> None:

@@ -138,7 +138,8 @@ def _replace_arguments(
     def value(name: str) -> Any:
         return given[name] if name in given else defaults[name]
 
-    changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
+    if value("precision") != plan.precision:  # the script's own precision is no change to list
+        changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
     plugins = _as_list(value("plugins"))
     removed = [plugin for plugin in plugins if isinstance(plugin, pl.plugins.precision.Precision)]
     if removed:

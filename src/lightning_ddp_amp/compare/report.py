@@ -292,11 +292,16 @@ def _incomparable(candidates: list[Candidate], records: Sequence[dict[str, Any] 
     return None
 
 
-def missing_metric(baseline: Candidate, metrics: Sequence[Metric]) -> str | None:
-    """The problem with a ``--metric`` the baseline's finished run never logged, as soon as it has ended: the other
-    runs would be for nothing. None while there is nothing to say (no record: the report says why)."""
-    record = None if baseline.failure() is not None else baseline.record()
-    return None if record is None else _missing_metric(record.get("evaluations", []), metrics)
+def stop_after_baseline(baseline: Candidate, metrics: Sequence[Metric]) -> str | None:
+    """Why no other run should start once the baseline has ended, in a few words: it failed, or it never logged a
+    ``--metric``; the other runs would be for nothing, and the report says the rest. None when they should run."""
+    if baseline.failure() is not None:
+        return f"the baseline {baseline.name} failed"
+    record = baseline.record()
+    assert record is not None  # a run that did not fail has its record
+    if _missing_metric(record.get("evaluations", []), metrics) is not None:
+        return "the baseline never logged a --metric"
+    return None
 
 
 def _missing_metric(evaluations: list[Evaluation], metrics: Sequence[Metric]) -> str | None:
@@ -365,28 +370,41 @@ def _first_apart(series: Series, tolerance: Tolerance) -> int | None:
 
 
 def _explain(entry: CandidateEntry, base: CandidateEntry) -> str | None:
-    """Why a run leaves the tolerance where it does, when a step skipped in one run only explains it.
+    """Why a run leaves the tolerance where it does, when a step skipped in one run only explains it: the step apart
+    itself (the skipping run's loss there is often not finite: the overflow), or the last such step before it.
 
     A step skipped on overflow leaves the weights as they were and holds the LR schedule back one step, so from there
     the two runs train out of phase: a difference that is not the precision's rounding.
     """
     summary, base_summary = entry["summary"], base["summary"]
-    assert summary is not None and base_summary is not None
+    series, base_series = entry["series"], base["series"]
+    assert summary is not None and base_summary is not None and series is not None and base_series is not None
     first = summary["first_step_apart"]
     if first is None:
         return None
     ours, theirs = set(summary["skipped_steps"]), set(base_summary["skipped_steps"])
-    alone = sorted(step for step in ours ^ theirs if step < first)
+    alone = sorted(step for step in ours ^ theirs if step <= first)
     if not alone:
         return None
     step = alone[-1]
-    who = "this run" if step in ours else "the baseline"
-    said = (
-        f"it leaves the tolerance at step {first}, after step {step}, which {who} alone skipped on overflow: a skipped"
-        " step keeps the weights and holds the LR schedule back, so the runs train out of phase from there"
+    who, other = ("this run", "the baseline") if step in ours else ("the baseline", "this run")
+    if step == first:
+        skipping = series if step in ours else base_series
+        at = skipping["step"].index(step)
+        scale, loss = skipping["loss_scale"][at], skipping["loss"][at]
+        details = ([] if scale is None else [f"loss scale {scale:g}"]) + (
+            [] if math.isfinite(loss) else ["its loss not finite"]
+        )
+        which = f" ({', '.join(details)})" if details else ""
+        said = (
+            f"it leaves the tolerance at step {first}, which {who} alone skipped on overflow{which} and {other} trained"
+        )
+    else:
+        said = f"it leaves the tolerance at step {first}, after step {step}, which {who} alone skipped on overflow"
+    said += (
+        ": a skipped step keeps the weights and holds the LR schedule back, so the runs train out of phase from there"
     )
-    assert entry["series"] is not None and base["series"] is not None
-    shift = _lr_shift(entry["series"], base["series"], after=step)
+    shift = _lr_shift(series, base_series, after=step)
     if shift:
         said += f"; its LR schedule runs {abs(shift)} step(s) {'behind' if shift > 0 else 'ahead of'} the baseline's"
     return said

@@ -52,10 +52,12 @@ MEMORY_SAID: dict[Call | None, str] = {
 def render(report: Report) -> str:
     """The report as the terminal shows it (see the module docstring)."""
     entries = report["candidates"]
+    runs = f"{len(entries)} run" + ("" if len(entries) == 1 else "s")
+    steps = _steps_run(report)
     lines = [
         "",
         *_wrap(
-            f"compare: {len(entries)} runs of {_steps_run(report)}, baseline {report['baseline']},"
+            f"compare: {runs}{'' if steps is None else f' of {steps}'}, baseline {report['baseline']},"
             f" on {report.get('hardware', 'this machine')}"
         ),
     ]
@@ -87,11 +89,14 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
-def _steps_run(report: Report) -> str:
-    """How many steps the runs that finished took, beside ``--steps`` where the script stopped them sooner."""
+def _steps_run(report: Report) -> str | None:
+    """How many steps the runs that finished took, beside ``--steps`` where the script stopped them sooner; None when
+    none finished."""
     series = [e["series"] for e in report["candidates"] if e["status"] != FAILED]
     taken = sorted({len(each["step"]) for each in series if each})
-    if not taken or taken == [report["steps"]]:
+    if not taken:
+        return None
+    if taken == [report["steps"]]:
         return f"{report['steps']} steps"
     counted = f"{taken[0]} steps" if len(taken) == 1 else f"{taken[0]} to {taken[-1]} steps"
     return f"{counted} (--steps {report['steps']}; the script's max_steps or max_epochs stopped them sooner)"
