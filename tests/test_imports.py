@@ -431,3 +431,22 @@ def test_the_strategy_class_stays_a_handful_of_lightnings_steps() -> None:
     (strategy,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EnvDDPStrategy"]
     assert strategy.end_lineno is not None
     assert strategy.end_lineno - strategy.lineno + 1 <= MAX_STRATEGY_LINES
+
+
+def test_the_layout_table_of_the_maintainers_page_lists_every_module() -> None:
+    # A newcomer finds where a behaviour lives from docs/maintainers.md's Layout: every module has its row.
+    page = (ROOT.parents[1] / "docs" / "maintainers.md").read_text()
+    layout = page.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for row in layout.splitlines():
+        cells = row.split("|")
+        if len(cells) > 3 and cells[1].strip().startswith("`"):
+            folder = cells[1].strip().strip("`").strip("/")
+            for module in cells[2].split(","):
+                listed.add(f"{folder}/{module.strip().strip('`')}".lstrip("/"))
+    modules = {
+        str(path.relative_to(ROOT))
+        for path in ROOT.rglob("*.py")
+        if "pytorch_lightning" not in path.parts and not (path.name == "__init__.py" and path.parent != ROOT)
+    }
+    assert sorted(modules - listed) == []
