@@ -1506,3 +1506,17 @@ def assert_matches(value: Any, schema: dict[str, Any], where: str = "compare.jso
     elif isinstance(value, list) and "items" in schema:
         for index, item in enumerate(value):
             assert_matches(item, schema["items"], f"{where}[{index}]")
+
+
+def test_curves_apart_by_less_than_a_line_of_their_panel_take_turns_too() -> None:
+    # 200 steps of loss curves a 1e-5 apart hide each other as surely as equal ones: on a linear (or log) panel, within
+    # SAME_LINE of its span is one line; on the symlog panel of the differences, only SAME_CURVE counts.
+    def curve(run: str, ys: list[float]) -> Any:
+        return compare_picture.Curve(run, "", run, [0, 1, 2], ys, "C0", {})
+
+    one, near, far = curve("a", [2.0, 2.1, 2.3]), curve("b", [2.0002, 2.1, 2.3]), curve("c", [2.01, 2.1, 2.3])
+    placed = compare_picture._resolution([one, near, far], "loss")
+    assert compare_picture._coincide(one, near, placed)
+    assert not compare_picture._coincide(one, far, placed)
+    assert compare_picture._resolution([one, near], "relative_loss_difference") is None
+    assert not compare_picture._coincide(one, near, None)

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import shlex
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ SKIPPED_MARKER = "X"
 DASH = 4.0
 #: Values closer than this, relative to the larger, lie on each other in any panel: their curves take turns.
 SAME_CURVE = 1e-6
+#: On a linear or log axis, values closer than this part of the panel's span are one line in the picture (a panel is
+#: about 270 pixels high): their curves take turns too. A symlog panel (the loss differences) uses SAME_CURVE alone.
+SAME_LINE = 1 / 400
 #: Multiplies a series for drawing: fractions are drawn in percent, seconds in milliseconds.
 SCALE = {"relative_loss_difference": 100.0, "weight_distance": 100.0, "step_time_s": 1000.0}
 
@@ -88,7 +91,8 @@ def plot(report: Report, path: Path) -> Any:
             axis.set_xticks([])
             axis.set_yticks([])
             continue
-        _draw(axis, [curve for entry in entries if (curve := _curve(entry, key, colours[entry["name"]]))])
+        curves = [curve for entry in entries if (curve := _curve(entry, key, colours[entry["name"]]))]
+        _draw(axis, curves, _resolution(curves, key))
         if key in tolerances:  # a legend entry, not a label on the line, which a legend could cover
             value = tolerances[key]
             axis.axhline(100 * value, color="black", linestyle=":", label=f"tolerance {100 * value:.3g}%")
@@ -134,7 +138,21 @@ def _curve(entry: CandidateEntry, key: str, colour: str) -> Curve | None:
     return Curve(entry["name"], "", _label(entry), xs, ys, colour, style)
 
 
-def _draw(axis: Any, curves: list[Curve]) -> list[str | None]:
+def _resolution(curves: list[Curve], key: str) -> Callable[[float], float] | None:
+    """How ``key``'s panel places a value (a log panel: its logarithm), for :func:`_coincide` to measure distances in
+    :data:`SAME_LINE` of the panel's span; None on the symlog panel, where curves coincide only within SAME_CURVE."""
+    if key == "relative_loss_difference":
+        return None
+    log = key in ("loss_scale", "grad_norm")
+    ys = [y for curve in curves for y in curve.ys if math.isfinite(y) and (y > 0 or not log)]
+    if not ys:
+        return None
+    place: Callable[[float], float] = math.log10 if log else float
+    span = place(max(ys)) - place(min(ys))
+    return None if span <= 0 else lambda y: place(y) / span
+
+
+def _draw(axis: Any, curves: list[Curve], placed: Callable[[float], float] | None = None) -> list[str | None]:
     """Draw ``curves``; returns, for each, the run whose curve it covers (None: it covers none).
 
     A curve that :func:`_coincide` with one drawn before it would hide it, so the curves of such a group take turns,
@@ -143,7 +161,7 @@ def _draw(axis: Any, curves: list[Curve]) -> list[str | None]:
     """
     groups: list[list[Curve]] = []
     for curve in curves:
-        same = next((group for group in groups if _coincide(group[0], curve)), None)
+        same = next((group for group in groups if _coincide(group[0], curve, placed)), None)
         if same is None:
             groups.append([curve])
         else:
@@ -168,17 +186,22 @@ def _draw(axis: Any, curves: list[Curve]) -> list[str | None]:
     return covers
 
 
-def _coincide(one: Curve, other: Curve) -> bool:
+def _coincide(one: Curve, other: Curve, placed: Callable[[float], float] | None = None) -> bool:
     """Whether two curves of the same thing lie on each other: the same steps, each value within
-    :data:`SAME_CURVE` of the other's, a gap (not finite) where the other has one."""
-    return (
-        one.of == other.of
-        and one.xs == other.xs
-        and all(
-            abs(a - b) <= SAME_CURVE * max(abs(a), abs(b)) or (math.isnan(a) and math.isnan(b))
-            for a, b in zip(one.ys, other.ys, strict=True)
-        )
-    )
+    :data:`SAME_CURVE` of the other's (or, ``placed`` as the panel places values, within :data:`SAME_LINE` of its
+    span), a gap (not finite) where the other has one."""
+
+    def close(a: float, b: float) -> bool:
+        if abs(a - b) <= SAME_CURVE * max(abs(a), abs(b)) or (math.isnan(a) and math.isnan(b)):
+            return True
+        if placed is None or not (math.isfinite(a) and math.isfinite(b)):
+            return False
+        try:
+            return abs(placed(a) - placed(b)) <= SAME_LINE
+        except ValueError:  # a value a log panel cannot place (0)
+            return False
+
+    return one.of == other.of and one.xs == other.xs and all(close(a, b) for a, b in zip(one.ys, other.ys, strict=True))
 
 
 def _legend(axis: Any) -> None:
