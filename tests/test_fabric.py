@@ -562,6 +562,18 @@ def fp32_gradients(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor
     return [param.grad.detach().clone() for param in plain.parameters()]
 
 
+def apex_o1_with_fp32_gradients() -> tuple[
+    Fabric, torch.nn.Module, torch.optim.Optimizer, torch.Tensor, list[torch.Tensor]
+]:
+    """Fabric under apex-O1, its model and optimizer set up, a batch, and that batch's :func:`fp32_gradients`."""
+    fabric = fabric_for("apex-O1")
+    model, optimizer = model_and_optimizer()
+    x = torch.randn(4, 8)
+    expected = fp32_gradients(model, x)
+    model, optimizer = fabric.setup(model, optimizer)
+    return fabric, model, optimizer, x, expected
+
+
 def assert_within_fp16(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     """Each gradient equals its fp32 counterpart within what fp16 activations leave (1% of its largest value)."""
     for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
@@ -592,11 +604,7 @@ def test_a_backward_in_no_backward_sync_disabled_leaves_the_gradients_unscaled_a
 ) -> None:
     # Lightning's idiom `with fabric.no_backward_sync(model, enabled=is_accumulating)`: on the micro-batch that steps,
     # the context is off, and apex must unscale as after any other backward.
-    fabric = fabric_for("apex-O1")
-    model, optimizer = model_and_optimizer()
-    x = torch.randn(4, 8)
-    expected = fp32_gradients(model, x)
-    model, optimizer = fabric.setup(model, optimizer)
+    fabric, model, optimizer, x, expected = apex_o1_with_fp32_gradients()
     fabric.backward(squared_mean(model, x))
     assert_within_fp16([param.grad for param in model.parameters()], expected)
     optimizer.zero_grad()
@@ -609,11 +617,7 @@ def test_a_backward_in_no_backward_sync_disabled_leaves_the_gradients_unscaled_a
 def test_an_explicit_delay_unscale_keeps_the_gradients_scaled_outside_no_backward_sync(
     apex_double: ModuleType,
 ) -> None:
-    fabric = fabric_for("apex-O1")
-    model, optimizer = model_and_optimizer()
-    x = torch.randn(4, 8)
-    expected = fp32_gradients(model, x)
-    model, optimizer = fabric.setup(model, optimizer)
+    fabric, model, _, x, expected = apex_o1_with_fp32_gradients()
     plugin = fabric.strategy.precision
     assert isinstance(plugin, AmpPrecision)
     scale = plugin.current_loss_scale

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
 import sys
 from collections.abc import Sequence
 
+from lightning_ddp_amp.errors import nearest
 from lightning_ddp_amp.versions import installed
 
 #: Every subcommand, with what it does.
@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if first is None:
         print(f"lightning-ddp-amp: name a command\n{USAGE}", file=sys.stderr)
         return 2
-    nearest = difflib.get_close_matches(first, COMMANDS, n=1)
-    hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+    near = nearest(first, COMMANDS)
+    hint = f"; did you mean {near!r}?" if near else ""
     print(f"lightning-ddp-amp: {first!r} is not a command{hint}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -12,7 +12,6 @@ its ``master_weights`` and ``model_dtype``, whichever Lightning flavour or front
 from __future__ import annotations
 
 import contextlib
-import difflib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_amp.amp.apex_loader import load_apex_module
-from lightning_ddp_amp.errors import StrategyConfigurationError
+from lightning_ddp_amp.errors import StrategyConfigurationError, nearest
 
 #: torch's ``DistributedDataParallel`` defaults, as its signature declares them.
 TORCH_DEFAULTS: dict[str, Any] = {
@@ -206,8 +205,8 @@ def _check_ddp_kwargs(ddp_class: type[Module], ddp_kwargs: dict[str, Any]) -> No
                 name, ddp_kwargs[name], "the strategy sets it from LOCAL_RANK", f"drop {name}"
             )
         if name not in accepted:
-            close = difflib.get_close_matches(name, accepted, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(accepted))}"
+            close = nearest(name, sorted(accepted))
+            hint = f"did you mean {close!r}?" if close else f"known: {', '.join(sorted(accepted))}"
             raise StrategyConfigurationError(
                 name, ddp_kwargs[name], f"{ddp_class.__qualname__} has no such argument", hint
             )
