@@ -24,8 +24,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp_amp.compare.recording import Changes, Recording
-from lightning_ddp_amp.compare.run_folder import Plan
+from lightning_ddp_amp.commands.compare.recording import Changes, Recording
+from lightning_ddp_amp.commands.compare.run_folder import Plan
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP = 20

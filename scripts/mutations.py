@@ -119,7 +119,7 @@ MUTATIONS = (
     Mutation(
         "ddp-kwargs-not-passed",
         "configure_ddp wraps the model without the options the strategy computed (DDP gets torch's defaults)",
-        "ddp/strategy.py",
+        "trainer/strategy.py",
         "        self._ddp_kwargs = self.ddp_options\n",
         "        self._ddp_kwargs = {}\n",
         ("tests/test_ddp_under_amp.py::test_native_amp_keeps_bucket_views",),
@@ -136,7 +136,7 @@ MUTATIONS = (
     Mutation(
         "layout-check-skipped",
         "a mid-epoch position saved with another data set, seed or order is continued instead of refused",
-        "ddp/position.py",
+        "trainer/position.py",
         "        if differences:\n",
         "        if False:\n",
         ("tests/test_resume.py::test_a_mid_epoch_position_in_another_layout_is_refused_naming_each_saved_value",),
@@ -144,7 +144,7 @@ MUTATIONS = (
     Mutation(
         "elastic-pad-from-rest",
         "the rest of a resumed epoch is padded with its own first samples, not the epoch's as DistributedSampler pads",
-        "ddp/samplers.py",
+        "trainer/samplers.py",
         "        rest += order[: num_replicas - len(rest) % num_replicas]\n",
         "        rest += rest[: num_replicas - len(rest) % num_replicas]\n",
         (
@@ -156,7 +156,7 @@ MUTATIONS = (
     Mutation(
         "checkpoint-written-in-place",
         "the checkpoint is written straight over the target: a save that fails halfway destroys the previous one",
-        "ddp/resume.py",
+        "trainer/resume.py",
         '        temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")\n'
         "        # Created as open() creates files, 0o666 less the umask (tempfile.mkstemp would give 0o600).\n"
         '        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)\n',
@@ -167,7 +167,7 @@ MUTATIONS = (
     Mutation(
         "checkpoint-not-fsynced",
         "the os.fsync before the rename is gone: a power loss after it can leave an empty file under the name",
-        "ddp/resume.py",
+        "trainer/resume.py",
         "                file.flush()\n                os.fsync(file.fileno())\n",
         "                file.flush()\n",
         ("tests/test_resume.py::test_the_whole_checkpoint_reaches_the_disk_before_it_is_renamed_into_place",),
@@ -176,7 +176,7 @@ MUTATIONS = (
     Mutation(
         "preempted-rank-exits-0",
         "a rank that saved on SIGTERM raises Lightning's SIGTERMException bare, so it exits 0 instead of 143",
-        "ddp/resume.py",
+        "trainer/resume.py",
         "            raise SIGTERMException(128 + signum)\n",
         "            raise SIGTERMException()\n",
         ("tests/test_resume.py::test_a_sigterm_during_training_saves_a_checkpoint_and_exits_128_plus_the_signal",),
@@ -193,7 +193,7 @@ MUTATIONS = (
     Mutation(
         "compare-apart-exits-0",
         "compare exits 0 when a candidate is apart and none failed",
-        "compare/report.py",
+        "commands/compare/report.py",
         "    return 1 if statuses & {APART, FAILED} else 0\n",
         "    return 1 if FAILED in statuses else 0\n",
         ("tests/test_compare.py::test_a_one_process_compare_whose_only_problem_is_a_candidate_apart_exits_1",),
@@ -201,7 +201,7 @@ MUTATIONS = (
     Mutation(
         "compare-loss-tolerance-flipped",
         "the final loss is apart when it is within the tolerance, and close beyond it",
-        "compare/report.py",
+        "commands/compare/report.py",
         "    if final is None or not math.isfinite(final) or final > tolerance.loss:\n",
         "    if final is None or not math.isfinite(final) or final < tolerance.loss:\n",
         ("tests/test_compare.py::test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both",),
@@ -209,7 +209,7 @@ MUTATIONS = (
     Mutation(
         "compare-percent-tolerance-unscaled",
         "--metric val_acc:1% is read as a tolerance of 100% (1.0), so any candidate's metric passes",
-        "compare/tolerance.py",
+        "commands/compare/tolerance.py",
         '            value = float(tolerance[:-1]) / 100 if tolerance.endswith("%") else float(tolerance)\n',
         '            value = float(tolerance[:-1]) if tolerance.endswith("%") else float(tolerance)\n',
         ("tests/test_compare.py::test_a_metric_tolerance_ending_in_percent_is_relative_and_a_number_absolute",),
@@ -217,7 +217,7 @@ MUTATIONS = (
     Mutation(
         "compare-batch-hash-unchecked",
         "runs whose first training batch differs are compared anyway (the report reads a key the record lacks)",
-        "compare/report.py",
+        "commands/compare/report.py",
         '            if ours["batch_hash"] != theirs["batch_hash"]:\n',
         '            if ours.get("batch") != theirs.get("batch"):\n',
         ("tests/test_compare.py::test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_the_fix",),
@@ -225,7 +225,7 @@ MUTATIONS = (
     Mutation(
         "recording-empty-batch-hash",
         "the recording writes the hash of nothing as the first batch's, so every run seems to start alike",
-        "compare/recording.py",
+        "commands/compare/recording.py",
         "    return _hash_tensors(dict(enumerate(_tensors(batch))))\n",
         "    return _hash_tensors({})\n",
         ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_first_batch_its_run_trained",),
@@ -233,7 +233,7 @@ MUTATIONS = (
     Mutation(
         "recording-empty-weights-hash",
         "the recording writes the hash of nothing as the starting weights', so unseeded runs seem to start alike",
-        "compare/recording.py",
+        "commands/compare/recording.py",
         "                self.weights_hash = _hash_tensors(state)\n",
         "                self.weights_hash = _hash_tensors({})\n",
         ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_weights_its_run_started_from",),
@@ -250,7 +250,7 @@ MUTATIONS = (
     Mutation(
         "reduce-float32-mean-float64",
         "float tensors are reduced in float64 for accuracy and come back float64",
-        "ddp/strategy.py",
+        "trainer/strategy.py",
         "        return super().reduce(tensor, group, reduce_op)\n",
         "        return super().reduce(tensor.double() if isinstance(tensor, Tensor) else tensor, group, reduce_op)\n",
         ("tests/test_strategy.py::test_reduce_keeps_floats_in_their_dtype_and_averages_integers_in_the_default_one",),
@@ -275,7 +275,7 @@ MUTATIONS = (
     Mutation(
         "evaluation-initializes-apex",
         "trainer.validate after trainer.fit calls amp.initialize again, which apex allows once per process",
-        "amp/precision.py",
+        "trainer/precision.py",
         "        if not optimizers or _trainer_fn(model) not in (None, TrainerFn.FITTING):\n",
         "        if not optimizers:\n",
         (
@@ -286,7 +286,7 @@ MUTATIONS = (
     Mutation(
         "native-clips-scaled-gradients",
         "native AMP does not unscale before the clipping and the before-step hooks, which see gradients x65536",
-        "amp/precision.py",
+        "trainer/precision.py",
         "        self.amp_backend.unscale(optimizer)\n        _lightning.after_closure(self, model, optimizer)\n",
         "        _lightning.after_closure(self, model, optimizer)\n",
         ("tests/test_precision.py::test_native_gradient_clipping_clips_the_unscaled_gradients",),
@@ -294,7 +294,7 @@ MUTATIONS = (
     Mutation(
         "resumed-epoch-not-set",
         "a run resumed from the end of an epoch reads its next epoch in the finished epoch's order",
-        "ddp/position.py",
+        "trainer/position.py",
         "            if self._sampler is not None:\n                self._sampler.set_epoch(epoch + 1)\n",
         "",
         ("tests/test_resume.py::test_an_end_of_epoch_position_resumes_in_any_layout",),
@@ -302,7 +302,7 @@ MUTATIONS = (
     Mutation(
         "split-batches-not-split",
         "split_batches gives every rank the whole global batch: each step trains world-size times the batch",
-        "ddp/sharding.py",
+        "trainer/sharding.py",
         "    return global_batch // num_replicas\n",
         "    return global_batch\n",
         ("tests/test_data.py::test_split_batches_divides_the_global_batch",),
@@ -311,7 +311,7 @@ MUTATIONS = (
     Mutation(
         "classic-optimizer-state-dropped",
         "the converted checkpoint leaves out the classic optimizer's state: Adam restarts its moments",
-        "migrate.py",
+        "commands/convert.py",
         '        "optimizer_states": _listed(classic, OPTIMIZER_KEYS),\n',
         '        "optimizer_states": [{"state": {}, "param_groups": _listed(classic, OPTIMIZER_KEYS)[0]["param_groups"]}],\n',
         ("tests/test_migrate.py::test_a_continued_classic_checkpoint_ends_in_the_uninterrupted_runs_weights",),
@@ -328,7 +328,7 @@ MUTATIONS = (
     Mutation(
         "overflow-rerun-keeps-its-statistics",
         "training an overflowing step again leaves its batchnorm statistics behind: the run under compare changes",
-        "compare/overflow.py",
+        "commands/compare/overflow.py",
         "                    buffer.copy_(buffers[name])\n",
         "                    pass\n",
         ("tests/test_overflow.py", "-k", "changes_no_weight"),
@@ -336,7 +336,7 @@ MUTATIONS = (
     Mutation(
         "overflow-names-the-container",
         "the overflow locator names the last module to finish (the container) instead of the innermost one",
-        "compare/overflow.py",
+        "commands/compare/overflow.py",
         "                if self.forward is None and not bool(torch.isfinite(tensor).all()):\n",
         "                if not bool(torch.isfinite(tensor).all()):\n",
         ("tests/test_overflow.py", "-k", "forward_overflow"),
@@ -344,7 +344,7 @@ MUTATIONS = (
     Mutation(
         "noise-floor-not-perturbed",
         "the noise-floor run repeats the baseline bit for bit: a floor of 0 that says nothing",
-        "compare/recording.py",
+        "commands/compare/recording.py",
         "                if self.plan.perturb:\n                    _one_ulp_up(pl_module)\n",
         "",
         ("tests/test_compare.py", "-k", "noise_floor_run"),
@@ -448,7 +448,7 @@ MUTATIONS = (
     Mutation(
         "lightnings-unused-parameters-advice",
         "DDP's unused-parameter error keeps Lightning's advice, ddp_find_unused_parameters_true, where apex cannot run",
-        "ddp/strategy.py",
+        "trainer/strategy.py",
         "        explain_unused_parameters(exception, self._ddp_kwargs)\n",
         "",
         (
@@ -473,7 +473,7 @@ MUTATIONS = (
     Mutation(
         "model-summary-names-16-mixed",
         "under AmpPrecision Lightning's model summary warns about '16-mixed', a precision the script never asked for",
-        "amp/precision.py",
+        "trainer/precision.py",
         "        warnings.filterwarnings(\n"
         '            "ignore", message=rf"Precision {re.escape(str(self.precision))} is not supported by the model summary"\n'
         "        )\n",
@@ -484,7 +484,7 @@ MUTATIONS = (
         "converted-epoch-as-last-trained",
         "convert_apex_checkpoint reads 'epoch' as the epoch last trained (one more done): the fit skips an epoch the"
         " classic resume trains",
-        "migrate.py",
+        "commands/convert.py",
         '    done, epoch_from = _count(classic, "epoch", ("epoch",), epoch)\n',
         '    done, epoch_from = _count(classic, "epoch", ("epoch",), epoch)\n    done += epoch is None and "epoch" in classic\n',
         (
@@ -494,7 +494,7 @@ MUTATIONS = (
     Mutation(
         "converted-apex-state-without-amp",
         "a classic checkpoint without amp.state_dict() still gets an apex state, and its resume names apex",
-        "migrate.py",
+        "commands/convert.py",
         '    if "amp" in classic or level in ("O2", "O3"):\n',
         "    if True:\n",
         ("tests/test_migrate.py::test_without_an_amp_state_no_apex_state_is_written_and_the_report_names_no_backend",),

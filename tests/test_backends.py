@@ -31,7 +31,7 @@ NATIVE_TESTS = (
 )
 #: Run in the subprocess: check that the copy, not the checkout, is what the tests import, then run them.
 CHECK_THEN_TEST = """
-import sys, pytest, lightning_ddp_amp, lightning_ddp_amp.amp.precision as precision
+import sys, pytest, lightning_ddp_amp, lightning_ddp_amp.trainer.precision as precision
 assert lightning_ddp_amp.__file__.startswith(sys.argv[1]), lightning_ddp_amp.__file__
 assert precision.BACKENDS == ("auto", "native"), precision.BACKENDS
 

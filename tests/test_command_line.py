@@ -1,4 +1,4 @@
-"""The ``lightning-ddp-amp`` command line: its subcommands, help, version and mistakes (command_line.py)."""
+"""The ``lightning-ddp-amp`` command line: its subcommands, help, version and mistakes (commands/main.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from lightning_ddp_amp import command_line
+from lightning_ddp_amp.commands import main as command_line
 
 
 @pytest.mark.parametrize(("argv", "code"), [([], 2), (["--help"], 0), (["-h"], 0)])

@@ -33,17 +33,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 import lightning_ddp_amp
-from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfigurationError, compare
-from lightning_ddp_amp.compare import patching as compare_patching
-from lightning_ddp_amp.compare import picture as compare_picture
-from lightning_ddp_amp.compare import recording as compare_recording
-from lightning_ddp_amp.compare import report as compare_report
-from lightning_ddp_amp.compare import schema as compare_schema
-from lightning_ddp_amp.compare import summary as compare_summary
-from lightning_ddp_amp.compare import terminal
-from lightning_ddp_amp.compare.report import Candidate
-from lightning_ddp_amp.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
-from lightning_ddp_amp.compare.tolerance import Metric, Tolerance
+from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfigurationError
+from lightning_ddp_amp.commands import compare
+from lightning_ddp_amp.commands.compare import patching as compare_patching
+from lightning_ddp_amp.commands.compare import picture as compare_picture
+from lightning_ddp_amp.commands.compare import recording as compare_recording
+from lightning_ddp_amp.commands.compare import report as compare_report
+from lightning_ddp_amp.commands.compare import schema as compare_schema
+from lightning_ddp_amp.commands.compare import summary as compare_summary
+from lightning_ddp_amp.commands.compare import terminal
+from lightning_ddp_amp.commands.compare.report import Candidate
+from lightning_ddp_amp.commands.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
+from lightning_ddp_amp.commands.compare.tolerance import Metric, Tolerance
 
 REPO = Path(__file__).parent.parent
 SCRIPT = str(WORKERS / "compare_train.py")
@@ -777,7 +778,7 @@ def test_the_overflows_noise_floor_and_metrics_follow_the_documented_schema(over
 
 
 def test_the_typed_shapes_of_compare_json_have_the_documented_schemas_keys_and_enums() -> None:
-    # Every TypedDict and every Literal of compare/schema.py is reached from the report's, at its place in the schema.
+    # Every TypedDict and every Literal of commands/compare/schema.py is reached from the report's, at its place in the schema.
     typed_dicts, literals = set(), set()
     assert disagreements(compare_schema.Report, SCHEMA, "compare.json", typed_dicts, literals) == []
     assert typed_dicts == {v for v in vars(compare_schema).values() if typing_extensions.is_typeddict(v)}

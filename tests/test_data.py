@@ -22,7 +22,7 @@ from torch.utils.data import (
 )
 
 from lightning_ddp_amp import StrategyConfigurationError
-from lightning_ddp_amp.ddp.sharding import shard_dataloader, warn_unshuffled_training_shards
+from lightning_ddp_amp.trainer.sharding import shard_dataloader, warn_unshuffled_training_shards
 
 DATASET = TensorDataset(torch.arange(10))
 TRAIN = RunningStage.TRAINING

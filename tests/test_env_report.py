@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import check, finish, free_port, start_python, worker_env
 
-from lightning_ddp_amp import env_report
+from lightning_ddp_amp.commands import env as env_report
 
 SRUN_RANK_1 = {
     "SLURM_JOB_ID": "77",
@@ -174,8 +174,8 @@ def test_unsupported_lightning_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_env_and_compare_json_name_each_installed_version_with_one_key() -> None:
-    from lightning_ddp_amp.command_line import version
-    from lightning_ddp_amp.compare.report import _versions
+    from lightning_ddp_amp.commands.compare.report import _versions
+    from lightning_ddp_amp.commands.main import version
 
     env = env_report.report({})["versions"]
     compared = _versions()

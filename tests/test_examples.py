@@ -34,7 +34,7 @@ CLI = EXAMPLES / "cli"
 
 @needs_cpu_fp16
 def test_cli_config_with_amp_o1_trains_on_two_ranks(preloaded: Preloaded, tmp_path: Path) -> None:
-    # lightning_ddp_amp.cli.LightningCLI: `trainer.precision: amp-O1` (native here: the ranks do not import the apex
+    # lightning_ddp_amp.trainer.cli.LightningCLI: `trainer.precision: amp-O1` (native here: the ranks do not import the apex
     # double, which the fork server only puts on their path, unless their code asks for it).
     args = ("fit", "--config", str(CLI / "amp_o1.yaml"), "--trainer.default_root_dir", str(tmp_path))
     result = preloaded.run(str(CLI / "train.py"), *args, log=tmp_path / "logs", apex_double=False).check()

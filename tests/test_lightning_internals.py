@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 import lightning_ddp_amp
 from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, _lightning
-from lightning_ddp_amp.amp.precision import resolve_precision_flag
+from lightning_ddp_amp.trainer.precision import resolve_precision_flag
 
 DATASET = TensorDataset(torch.arange(8))
 

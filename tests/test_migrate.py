@@ -1,4 +1,4 @@
-"""A half-trained classic apex run continues under Lightning: convert_apex_checkpoint (lightning_ddp_amp.migrate).
+"""A half-trained classic apex run continues under Lightning: convert_apex_checkpoint (lightning_ddp_amp.commands.convert).
 
 On 2 real ranks (forked, conftest.Preloaded; apex through its CPU double): the classic recipe
 (workers/train_apex_recipe.py, Adam and a per-step LR schedule) trains 2 epochs and saves apex's recommended
@@ -25,7 +25,7 @@ import torch
 from conftest import Preloaded, Torchrun, check, max_abs_difference, needs_cpu_fp16
 
 from lightning_ddp_amp import AmpPrecision, CheckpointError, convert_apex_checkpoint
-from lightning_ddp_amp.migrate import CONVERTED_KEY
+from lightning_ddp_amp.commands.convert import CONVERTED_KEY
 
 STEPS_PER_EPOCH = 8  # 64 samples, 2 ranks, 4 samples per rank per step
 #: apex O2's checkpoint has the fp16 roundings of its fp32 masters; continued from them, the weights drift from the

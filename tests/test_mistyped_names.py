@@ -18,11 +18,11 @@ from lightning_ddp_amp import (
     PrecisionConfigurationError,
     StrategyConfigurationError,
     _lightning,
-    compare,
 )
-from lightning_ddp_amp.cli import LightningCLI
+from lightning_ddp_amp.commands import compare
 from lightning_ddp_amp.errors import nearest
 from lightning_ddp_amp.precision_strings import nearest_precision
+from lightning_ddp_amp.trainer.cli import LightningCLI
 
 #: (mistyped, meant): case, a zero for the O, an underscore for the dash, a level past apex's O3.
 PRECISION_TYPOS = [("amp-o1", "amp-O1"), ("apex-01", "apex-O1"), ("apex_O1", "apex-O1"), ("amp-O4", "amp-O3")]

@@ -37,11 +37,11 @@ def test_plugins_derive_from_the_standalone_packages_classes() -> None:
 
 def test_one_source_of_truth_shared_errors_and_modules() -> None:
     # Built from the very files of lightning_ddp_amp, not a copy in the repository.
-    assert Path(sys.modules[plugins.EnvDDPStrategy.__module__].__file__ or "") == SOURCE / "ddp" / "strategy.py"
+    assert Path(sys.modules[plugins.EnvDDPStrategy.__module__].__file__ or "") == SOURCE / "trainer" / "strategy.py"
     assert plugins.LauncherEnvironmentError is lightning_ddp_amp.LauncherEnvironmentError
     assert plugins.read_topology is lightning_ddp_amp.read_topology
     copied = _namespaces.namespaced_modules()
-    assert {"ddp.strategy", "amp.precision", "cli", "_lightning"} <= copied
+    assert {"trainer.strategy", "trainer.precision", "trainer.cli", "_lightning"} <= copied
     for module, path in _namespaces._modules().items():
         if module not in copied | {"__init__", "__main__", "_namespaces"}:
             assert not any(m.split(".")[0] == "lightning" for m in _namespaces._imports(path)), module
@@ -121,9 +121,9 @@ def test_a_user_file_type_checks_against_the_standalone_classes(tmp_path: Path) 
 
 def test_process_wide_state_exists_once_in_both_flavours() -> None:
     # A signal has one handler per process: whichever Trainer trains, its strategy watches the one SIGTERM flag.
-    from lightning_ddp_amp.ddp import resume
+    from lightning_ddp_amp.trainer import resume
 
-    copied = importlib.import_module(f"{_namespaces.NAMESPACE}.ddp.resume")
+    copied = importlib.import_module(f"{_namespaces.NAMESPACE}.trainer.resume")
     assert copied is not resume
     assert copied.PREEMPTION is resume.PREEMPTION
 
@@ -163,8 +163,8 @@ def test_strategy_and_precision_strings_work_whatever_the_import_order(imports: 
     result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [
-        "lightning_ddp_amp.pytorch_lightning.ddp.strategy",
-        "lightning_ddp_amp.pytorch_lightning.amp.precision",
+        "lightning_ddp_amp.pytorch_lightning.trainer.strategy",
+        "lightning_ddp_amp.pytorch_lightning.trainer.precision",
     ]
 
 
@@ -195,7 +195,7 @@ def test_lightning_users_do_not_import_pytorch_lightning() -> None:
 
 
 def test_cli_accepts_the_precision_strings_in_a_config(tmp_path: Path) -> None:
-    from lightning_ddp_amp.pytorch_lightning.cli import LightningCLI
+    from lightning_ddp_amp.pytorch_lightning.trainer.cli import LightningCLI
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""``compare``'s overflow locator (:mod:`lightning_ddp_amp.compare.overflow`), on models built to overflow in a known
+"""``compare``'s overflow locator (:mod:`lightning_ddp_amp.commands.compare.overflow`), on models built to overflow in a known
 layer: which module, which tensor, its dtype and how close to the top of its range it ran; and that training the step's
 batch again changes nothing of the training.
 
@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_ddp_amp.compare import overflow
+from lightning_ddp_amp.commands.compare import overflow
 
 F32_MAX = torch.finfo(torch.float32).max
 

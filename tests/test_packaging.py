@@ -119,9 +119,9 @@ def test_the_wheel_ships_the_type_marker_and_the_console_script(build: Build) ->
         scripts = wheel.read(entry_points).decode()
     assert "lightning_ddp_amp/py.typed" in names
     assert "lightning_ddp_amp/pytorch_lightning/__init__.pyi" in names  # the types of the pytorch_lightning flavour
-    assert "lightning_ddp_amp/pytorch_lightning/ddp/strategy.pyi" in names  # and of its subpackages
-    assert "lightning_ddp_amp/compare/_site/sitecustomize.py" in names  # what `compare` puts on PYTHONPATH
-    assert "lightning-ddp-amp = lightning_ddp_amp.command_line:main" in scripts
+    assert "lightning_ddp_amp/pytorch_lightning/trainer/strategy.pyi" in names  # and of its subpackages
+    assert "lightning_ddp_amp/commands/compare/_site/sitecustomize.py" in names  # what `compare` puts on PYTHONPATH
+    assert "lightning-ddp-amp = lightning_ddp_amp.commands.main:main" in scripts
 
 
 def test_the_build_uses_no_deprecated_setuptools_configuration(build: Build) -> None:

@@ -25,10 +25,10 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
 from lightning_ddp_amp._namespaces import namespaced_modules
-from lightning_ddp_amp.ddp.position import check_resumed_positions, position_of
-from lightning_ddp_amp.ddp.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
-from lightning_ddp_amp.ddp.sharding import shard_dataloader
 from lightning_ddp_amp.launch.preemption import PREEMPTION
+from lightning_ddp_amp.trainer.position import check_resumed_positions, position_of
+from lightning_ddp_amp.trainer.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
+from lightning_ddp_amp.trainer.sharding import shard_dataloader
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))
 
@@ -748,4 +748,4 @@ def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> N
 def test_the_preemption_flag_lives_in_a_module_that_does_not_import_lightning() -> None:
     # Such modules are shared by the lightning and pytorch_lightning flavours, so the flag exists once per process.
     assert "launch.preemption" not in namespaced_modules()
-    assert {"ddp.resume", "ddp.strategy"} <= namespaced_modules()
+    assert {"trainer.resume", "trainer.strategy"} <= namespaced_modules()

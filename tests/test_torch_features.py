@@ -18,8 +18,9 @@ from conftest import free_port, worker_env
 from packaging.version import Version
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError, env_report
+from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError
 from lightning_ddp_amp.amp import native_backend
+from lightning_ddp_amp.commands import env as env_report
 from lightning_ddp_amp.launch import process_group
 from lightning_ddp_amp.launch.environment import Topology
 

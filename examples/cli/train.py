@@ -5,7 +5,7 @@ torchrun --nproc-per-node=2 examples/cli/train.py fit --config examples/cli/amp_
 
 from regression import RegressionData, Regressor
 
-from lightning_ddp_amp.cli import LightningCLI
+from lightning_ddp_amp.trainer.cli import LightningCLI
 
 if __name__ == "__main__":
     LightningCLI(Regressor, RegressionData, save_config_kwargs={"overwrite": True})

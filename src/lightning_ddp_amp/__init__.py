@@ -16,8 +16,7 @@ check_rank_variables()
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_ddp_amp import _lightning  # noqa: E402
-from lightning_ddp_amp.amp.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
-from lightning_ddp_amp.ddp.strategy import EnvDDPStrategy  # noqa: E402
+from lightning_ddp_amp.commands.convert import convert_apex_checkpoint  # noqa: E402
 from lightning_ddp_amp.errors import (  # noqa: E402
     ApexUnavailableError,
     CheckpointError,
@@ -29,7 +28,8 @@ from lightning_ddp_amp.errors import (  # noqa: E402
     TopologyMismatchError,
 )
 from lightning_ddp_amp.launch.cluster_environment import LauncherEnvironment  # noqa: E402
-from lightning_ddp_amp.migrate import convert_apex_checkpoint  # noqa: E402
+from lightning_ddp_amp.trainer.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
+from lightning_ddp_amp.trainer.strategy import EnvDDPStrategy  # noqa: E402
 
 __version__ = "0.1.0"
 

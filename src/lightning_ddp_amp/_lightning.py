@@ -33,11 +33,11 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.wrappers import _FabricOptimizer
 
 # Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
-# re-exported for compare/patching.py, which turns off the loggers it cannot point into a run's folder.
+# re-exported for commands/compare/patching.py, which turns off the loggers it cannot point into a run's folder.
 from lightning.pytorch.loggers.logger import DummyLogger as DummyLogger
 
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
-# outside its documented API; re-exported for ddp/sharding.py.
+# outside its documented API; re-exported for trainer/sharding.py.
 from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSampler as UnrepeatedDistributedSampler,
 )
@@ -131,7 +131,7 @@ def install_trainer_hook(
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
-            (:func:`lightning_ddp_amp.amp.precision.resolve_precision_flag`).
+            (:func:`lightning_ddp_amp.trainer.precision.resolve_precision_flag`).
         strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.EnvDDPStrategy`).
         precision_class: The precision plugin that checks the finished Trainer
             (:class:`~lightning_ddp_amp.AmpPrecision`).
@@ -365,7 +365,7 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
-    itself (:mod:`lightning_ddp_amp.ddp.sharding`) and leaves only prediction to Lightning.
+    itself (:mod:`lightning_ddp_amp.trainer.sharding`) and leaves only prediction to Lightning.
     """
     trainer._accelerator_connector.use_distributed_sampler = enabled
 
@@ -446,7 +446,7 @@ def move_epoch_batches(trainer: pl.Trainer, by: int) -> None:
 
     Why: Lightning ends an epoch, validates and accumulates gradients by these counters of its undocumented
     progress tracking; a resumed epoch on another number of ranks has another number of batches
-    (:func:`lightning_ddp_amp.ddp.position.align_resumed_epoch`).
+    (:func:`lightning_ddp_amp.trainer.position.align_resumed_epoch`).
     """
     progress: Any = trainer.fit_loop.epoch_loop.batch_progress
     for counts in (progress.current, progress.total):

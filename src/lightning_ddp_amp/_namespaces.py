@@ -17,8 +17,8 @@ already imported, otherwise right after it is (a one-shot import hook), so users
 for importing it (about 0.15 s and some memory). A failure there is a warning: it never breaks
 ``import pytorch_lightning``.
 
-The flavour mirrors the subpackages: ``lightning_ddp_amp.ddp.strategy`` is copied as
-``lightning_ddp_amp.pytorch_lightning.ddp.strategy``; a subpackage of the flavour holds only the copied modules.
+The flavour mirrors the subpackages: ``lightning_ddp_amp.trainer.strategy`` is copied as
+``lightning_ddp_amp.pytorch_lightning.trainer.strategy``; a subpackage of the flavour holds only the copied modules.
 
 Type checkers and IDEs do not run import hooks, so the flavour also exists as type stubs, ``pytorch_lightning/**.pyi``
 beside these files: each is :func:`stub` of a copied module, that is, the same rewrite with the function bodies left
@@ -48,14 +48,14 @@ NAMESPACE = f"{PACKAGE}.pytorch_lightning"
 _ROOT = Path(__file__).parent
 #: The flavour's type stubs: read by type checkers only, the import hook below serves the modules.
 STUBS = _ROOT / "pytorch_lightning"
-# Modules never copied: the entry points and this module. Names are relative to the package: "ddp.strategy".
-_NEVER = {"__init__", "__main__", "command_line", "_namespaces"}
+# Modules never copied: the entry points and this module. Names are relative to the package: "trainer.strategy".
+_NEVER = {"__init__", "__main__", "commands.main", "_namespaces"}
 # The public classes of the copied modules, as named in messages and docs (`lightning_ddp_amp.AmpPrecision`).
 _PUBLIC_CLASSES = ("EnvDDPStrategy", "AmpPrecision", "LauncherEnvironment")
 
 
 def _modules() -> dict[str, Path]:
-    """This package's modules (not its subpackages' ``__init__``), by name relative to the package: "ddp.strategy"."""
+    """This package's modules (not its subpackages' ``__init__``), by name relative to the package: "trainer.strategy"."""
     found = {}
     for path in sorted(_ROOT.rglob("*.py")):
         parts = path.relative_to(_ROOT).with_suffix("").parts
@@ -72,7 +72,7 @@ def source_file(module: str) -> Path:
 
 @functools.cache
 def namespaced_modules() -> frozenset[str]:
-    """The modules of this package that import Lightning, directly or through one another ("ddp.strategy")."""
+    """The modules of this package that import Lightning, directly or through one another ("trainer.strategy")."""
     imports = {name: _imports(path) for name, path in _modules().items() if name not in _NEVER}
     found = {name for name, imported in imports.items() if any(m.split(".")[0] == "lightning" for m in imported)}
     while True:

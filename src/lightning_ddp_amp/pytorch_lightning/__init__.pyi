@@ -16,8 +16,7 @@ from lightning_ddp_amp.launch.environment import Topology, check_rank_variables,
 from pytorch_lightning.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_ddp_amp.pytorch_lightning import _lightning  # noqa: E402
-from lightning_ddp_amp.pytorch_lightning.amp.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
-from lightning_ddp_amp.pytorch_lightning.ddp.strategy import EnvDDPStrategy  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.commands.convert import convert_apex_checkpoint  # noqa: E402
 from lightning_ddp_amp.errors import (  # noqa: E402
     ApexUnavailableError,
     CheckpointError,
@@ -29,7 +28,8 @@ from lightning_ddp_amp.errors import (  # noqa: E402
     TopologyMismatchError,
 )
 from lightning_ddp_amp.pytorch_lightning.launch.cluster_environment import LauncherEnvironment  # noqa: E402
-from lightning_ddp_amp.pytorch_lightning.migrate import convert_apex_checkpoint  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.trainer.precision import AmpPrecision, resolve_precision_flag  # noqa: E402
+from lightning_ddp_amp.pytorch_lightning.trainer.strategy import EnvDDPStrategy  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -34,11 +34,11 @@ from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_fabric.wrappers import _FabricOptimizer
 
 # Lightning's logger that swallows whatever is logged through it, from a module outside ``loggers.__all__``;
-# re-exported for compare/patching.py, which turns off the loggers it cannot point into a run's folder.
+# re-exported for commands/compare/patching.py, which turns off the loggers it cannot point into a run's folder.
 from pytorch_lightning.loggers.logger import DummyLogger as DummyLogger
 
 # Lightning's samplers that shard an evaluation set without padding (it uses them for prediction), from a module
-# outside its documented API; re-exported for ddp/sharding.py.
+# outside its documented API; re-exported for trainer/sharding.py.
 from pytorch_lightning.overrides.distributed import (
     UnrepeatedDistributedSampler as UnrepeatedDistributedSampler,
 )
@@ -132,7 +132,7 @@ def install_trainer_hook(
 
     Args:
         resolve_precision: Turns the Trainer's ``precision`` and ``plugins`` into what Lightning accepts
-            (:func:`lightning_ddp_amp.pytorch_lightning.amp.precision.resolve_precision_flag`).
+            (:func:`lightning_ddp_amp.pytorch_lightning.trainer.precision.resolve_precision_flag`).
         strategy_class: The strategy that checks the Trainer's flags (:class:`~lightning_ddp_amp.pytorch_lightning.EnvDDPStrategy`).
         precision_class: The precision plugin that checks the finished Trainer
             (:class:`~lightning_ddp_amp.pytorch_lightning.AmpPrecision`).
@@ -259,7 +259,7 @@ def set_sampler_injection(trainer: pl.Trainer, enabled: bool) -> None:
     """Turn Lightning's own sampler injection on or off for the Trainer's next loop.
 
     Why: Lightning's injection forces ``shuffle=True`` on the training set; the strategy shards DataLoaders
-    itself (:mod:`lightning_ddp_amp.pytorch_lightning.ddp.sharding`) and leaves only prediction to Lightning.
+    itself (:mod:`lightning_ddp_amp.pytorch_lightning.trainer.sharding`) and leaves only prediction to Lightning.
     """
     ...
 
@@ -324,7 +324,7 @@ def move_epoch_batches(trainer: pl.Trainer, by: int) -> None:
 
     Why: Lightning ends an epoch, validates and accumulates gradients by these counters of its undocumented
     progress tracking; a resumed epoch on another number of ranks has another number of batches
-    (:func:`lightning_ddp_amp.pytorch_lightning.ddp.position.align_resumed_epoch`).
+    (:func:`lightning_ddp_amp.pytorch_lightning.trainer.position.align_resumed_epoch`).
     """
     ...
 

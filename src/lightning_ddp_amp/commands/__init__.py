@@ -1,0 +1,1 @@
+"""The ``lightning-ddp-amp`` commands: ``env``, ``compare``, and the conversion of a classic checkpoint."""

@@ -1,0 +1,238 @@
+"""Inside each run of ``lightning-ddp-amp compare``: the Trainer the script builds, changed by the run's plan.
+
+:mod:`lightning_ddp_amp.commands.compare` starts the user's command with ``commands/compare/_site/`` first on ``PYTHONPATH`` and a
+plan file named in ``LIGHTNING_DDP_AMP_COMPARE`` (:mod:`~lightning_ddp_amp.commands.compare.run_folder`); that folder's
+``sitecustomize`` calls :func:`patch` as soon as the script imports ``lightning`` or ``pytorch_lightning``. From then
+on every ``Trainer(...)`` of the script is built with these changes, which rank 0 lists once when ``fit`` starts:
+
+* ``precision`` becomes the candidate's, and any precision plugin in ``plugins`` is removed (Lightning refuses
+  both at once);
+* ``max_steps`` becomes the plan's number of steps (after the plan's checkpoint's own), unless the script asks for
+  fewer;
+* ``default_root_dir``, every ``ModelCheckpoint`` with a ``dirpath``, and CSV and TensorBoard loggers point into the
+  candidate's folder; any other logger is turned off, since it cannot be pointed elsewhere. LightningCLI saves its
+  config in the log directory, so it lands there too;
+* ``fit`` starts from the plan's checkpoint when the script passes no ``ckpt_path``;
+* a :class:`~lightning_ddp_amp.commands.compare.recording.Recording` callback is added: what each step did.
+
+A strategy that restores a checkpoint only after its ``setup`` (``restore_checkpoint_after_setup``: FSDP, DeepSpeed)
+is refused when the Trainer is built: the starting weights are compared where ``setup`` begins.
+
+The module imports no Lightning namespace itself: :func:`patch` is given one, and what it needs of Lightning's
+private API comes from that namespace's flavour of :mod:`lightning_ddp_amp._lightning`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_ddp_amp.commands.compare.recording import Changes, Recording
+from lightning_ddp_amp.commands.compare.run_folder import Plan
+from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
+from lightning_ddp_amp.precision_strings import PRECISION_FLAG
+
+_MARK = "__lightning_ddp_amp_compare__"
+#: What a script's own AmpPrecision keeps when compare changes its level or backend.
+CARRIED_SETTINGS = (
+    "models",
+    "keep_batchnorm_fp32",
+    "loss_scale",
+    "num_losses",
+    "min_loss_scale",
+    "max_loss_scale",
+    "cast_model_outputs",
+)
+
+
+def patch(namespace: str, plan_file: str) -> None:
+    """Patch ``Trainer.__init__`` and ``Trainer.fit`` of ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``).
+
+    Importing :mod:`lightning_ddp_amp` first registers ``"envddp"`` and the ``"apex-O*"`` / ``"amp-O*"`` values, so
+    a script that never imports the package can be compared under them. Idempotent.
+    """
+    import lightning_ddp_amp  # noqa: F401  (registers the strategy and the precision values)
+
+    module = sys.modules[namespace]
+    pl: Any = module.pytorch if namespace == "lightning" else module  # lightning.pytorch, or pytorch_lightning
+    trainer_class = pl.Trainer
+    if getattr(trainer_class.__init__, _MARK, False):
+        return
+    plan = Plan.read(plan_file)
+    recording_class = type("CompareRecording", (Recording, pl.Callback), {})
+    init, fit = trainer_class.__init__, trainer_class.fit
+    init_signature, fit_signature = inspect.signature(init), inspect.signature(fit)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = init_signature.bind(self, *args, **kwargs).arguments
+        changes = Changes()
+        _replace_arguments(given, _trainer_defaults(type(self), init_signature, pl), plan, changes, pl)
+        redirect = functools.partial(_redirect_checkpoints, plan=plan, changes=changes, pl=pl)
+        recording = recording_class(plan, changes, redirect, _fence(pl).evaluation_metrics)
+        given["callbacks"] = [*_as_list(given.get("callbacks")), recording]
+        init(given.pop("self"), **given)
+        check_restores_before_setup(self.strategy)
+        redirect(self)
+
+    @functools.wraps(fit)
+    def fit_from_plan(self: Any, *args: Any, **kwargs: Any) -> Any:
+        given = fit_signature.bind(self, *args, **kwargs).arguments
+        if plan.ckpt is not None and given.get("ckpt_path") is None:
+            given["ckpt_path"] = plan.ckpt
+        return fit(given.pop("self"), **given)
+
+    setattr(__init__, _MARK, True)
+    trainer_class.__init__ = __init__
+    trainer_class.fit = fit_from_plan
+
+
+def check_restores_before_setup(strategy: Any) -> None:
+    """Refuse a strategy that restores a checkpoint after its ``setup``, where compare hashes the starting weights.
+
+    Raises:
+        StrategyConfigurationError: ``strategy.restore_checkpoint_after_setup`` is True (FSDP, DeepSpeed).
+    """
+    if strategy.restore_checkpoint_after_setup:
+        raise StrategyConfigurationError(
+            "strategy",
+            type(strategy).__name__,
+            "it restores a checkpoint only after strategy.setup (restore_checkpoint_after_setup=True), but compare"
+            " checks that every run starts from the same weights when strategy.setup begins",
+            "compare under a strategy that restores checkpoints before its setup, e.g. strategy='envddp' or 'ddp'",
+        )
+
+
+def _trainer_defaults(trainer_class: type[Any], signature: inspect.Signature, pl: Any) -> dict[str, Any]:
+    """The value each argument left out of ``Trainer(...)`` takes: ``PL_TRAINER_*`` environment variables as Lightning
+    reads them, else the signature's default."""
+    defaults = {
+        name: parameter.default
+        for name, parameter in signature.parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+    return {**defaults, **_fence(pl).trainer_env_defaults(trainer_class)}
+
+
+def _replace_arguments(
+    given: dict[str, Any], defaults: Mapping[str, Any], plan: Plan, changes: Changes, pl: Any
+) -> None:
+    """Change the Trainer's arguments as the module docstring lists; only given names are passed on, so Lightning's
+    ``PL_TRAINER_*`` environment defaults still apply to the rest.
+
+    Args:
+        given: The arguments the script passed, by name; changed in place.
+        defaults: The value of each argument left out (:func:`_trainer_defaults`).
+        plan: This run's plan.
+        changes: Where the changes are listed.
+        pl: The Lightning namespace of the Trainer.
+    """
+
+    def value(name: str) -> Any:
+        return given[name] if name in given else defaults[name]
+
+    if value("precision") != plan.precision:  # the script's own precision is no change to list
+        changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
+    plugins = _as_list(value("plugins"))
+    removed = [plugin for plugin in plugins if isinstance(plugin, pl.plugins.precision.Precision)]
+    if removed:
+        plugins = [plugin for plugin in plugins if plugin not in removed]
+        changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
+    level = PRECISION_FLAG.match(plan.precision)
+    configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
+    if level is None:
+        given["precision"] = plan.precision
+    else:  # AmpPrecision itself: a removed AmpPrecision's settings carry over
+        family, opt_level = level.groups()
+        backend = {"apex": "apex", "amp": "auto", "native": "native"}[family]
+        given["precision"] = None
+        plugins.append(_amp_plugin(pl, opt_level, backend, configured, changes))
+    if removed or level is not None:
+        given["plugins"] = plugins
+    max_steps, last = value("max_steps"), plan.first_step + plan.steps
+    if max_steps is None or max_steps < 0 or max_steps > last:
+        changes.replaced.append(f"max_steps={max_steps!r} -> {last}")
+        given["max_steps"] = last
+    changes.replaced.append(f"default_root_dir={value('default_root_dir')!r} -> {plan.directory!r}")
+    given["default_root_dir"] = plan.directory
+    logger = value("logger")
+    if logger not in (None, True, False):
+        kept = []
+        logs = os.path.join(plan.directory, "logs")
+        for each in _as_list(logger):
+            try:
+                if not isinstance(each, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
+                    raise TypeError(type(each).__name__)
+                kept.append(type(each)(save_dir=logs, name=each.name))
+                changes.replaced.append(f"{type(each).__name__} writes to {logs!r}")
+            except TypeError:
+                # A logger of its own kind, or a subclass built otherwise: it cannot be pointed elsewhere. Lightning's
+                # dummy swallows what the script logs through it (`self.logger.experiment.log(...)`); its folder is
+                # the candidate's, where LightningCLI saves its config.
+                dummy = type(
+                    "TurnedOffLogger",
+                    (_fence(pl).DummyLogger,),
+                    {"save_dir": property(lambda _: logs)},
+                )
+                kept.append(dummy())
+                changes.turned_off.append(type(each).__name__)
+        given["logger"] = kept
+
+
+def _amp_plugin(pl: Any, opt_level: str, backend: str, configured: Any, changes: Changes) -> Any:
+    """AmpPrecision at ``opt_level`` on ``backend``, with the settings of the script's own AmpPrecision, if any."""
+    amp_precision = _amp_precision(pl)
+    if configured is None:
+        return amp_precision(opt_level=opt_level, backend=backend)
+    settings = {name: getattr(configured, name) for name in CARRIED_SETTINGS}
+    settings["dtype"] = "bfloat16" if configured.dtype == torch.bfloat16 else "float16"
+    try:
+        built = amp_precision(opt_level=opt_level, backend=backend, **settings)
+    except PrecisionConfigurationError as error:  # a setting this level refuses (keep_batchnorm_fp32 under O1, ...)
+        kept = {name: settings[name] for name in ("models", "num_losses")}
+        built = amp_precision(opt_level=opt_level, backend=backend, **kept)
+        changes.replaced.append(f"kept only models and num_losses of the script's AmpPrecision ({error})")
+    else:
+        changes.replaced.append("kept the script's AmpPrecision settings (models, num_losses, loss scale, ...)")
+    return built
+
+
+def _amp_precision(pl: Any) -> Any:
+    """AmpPrecision of the namespace the Trainer belongs to."""
+    return importlib.import_module(_flavour(pl)).AmpPrecision
+
+
+def _fence(pl: Any) -> Any:
+    """:mod:`lightning_ddp_amp._lightning` of the namespace the Trainer belongs to."""
+    return importlib.import_module(f"{_flavour(pl)}._lightning")
+
+
+def _flavour(pl: Any) -> str:
+    """This package, or its ``pytorch_lightning`` flavour, for the Lightning namespace ``pl``."""
+    return "lightning_ddp_amp.pytorch_lightning" if pl.__name__ == "pytorch_lightning" else "lightning_ddp_amp"
+
+
+def _redirect_checkpoints(trainer: Any, plan: Plan, changes: Changes, pl: Any) -> None:
+    """Every ModelCheckpoint with its own ``dirpath`` saves into the candidate's folder instead (so ``auto_resume``,
+    which reads those directories, only ever finds this candidate's checkpoints)."""
+    inside = os.path.realpath(plan.directory) + os.sep
+    callbacks = [
+        cb
+        for cb in trainer.callbacks
+        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath and not (cb.dirpath + os.sep).startswith(inside)
+    ]
+    for index, callback in enumerate(callbacks):
+        folder = os.path.join(plan.directory, "checkpoints" if len(callbacks) == 1 else f"checkpoints-{index}")
+        changes.replaced.append(f"ModelCheckpoint(dirpath={callback.dirpath!r}) -> {folder!r}")
+        callback.dirpath = folder
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,0 +1,1 @@
+"""The Trainer door: EnvDDPStrategy and AmpPrecision as a Trainer takes them, and the LightningCLI drop-in."""
