@@ -23,6 +23,9 @@ import torch
 
 from lightning_ddp_amp.amp import native_backend
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "build_backend"))
+from pytorch_lightning_flavour import write_flavour  # noqa: E402
+
 PACKAGE = "lightning_ddp_amp"
 
 WORKERS = Path(__file__).parent / "workers"
@@ -53,6 +56,10 @@ LAUNCHER_ENV = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        # The pytorch_lightning flavour is written when the package is built; a checkout's editable install has the
+        # one of its last build, so the tests write it again from today's sources (only what changed).
+        write_flavour()
     # Under pytest-xdist (`-n 2`), the controller rebuilds each warning a worker recorded by importing its category's
     # module: the apex double's own categories need the double importable there. The controller runs no test.
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):

@@ -71,7 +71,7 @@ PUBLIC = {
 
 #: The parts of the package, by folder or top-level module ("" is the package's ``__init__``), lowest layer first.
 LAYERS: list[dict[str, set[str]]] = [
-    {"base": {"errors", "_lightning", "_namespaces", "safe_load", "versions", "precision_strings", "rank_zero"}},
+    {"base": {"errors", "_lightning", "_standalone", "safe_load", "versions", "precision_strings", "rank_zero"}},
     {"launch": {"launch"}, "amp": {"amp"}},
     {"ddp": {"ddp"}},
     {"trainer": {"trainer"}, "fabric": {"fabric"}},
@@ -85,7 +85,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+#: The package's modules, without the pytorch_lightning flavour the build writes from them (git-ignored).
+MODULES = {
+    _module_name(path): path
+    for path in sorted(ROOT.rglob("*.py"))
+    if path.relative_to(ROOT).parts[0] != "pytorch_lightning"
+}
 
 
 def _trees() -> Iterator[tuple[str, ast.Module]]:

@@ -1,7 +1,8 @@
-"""The standalone `pytorch_lightning`: the same plugins, built from the same source (lightning_ddp_amp/_namespaces.py).
+"""The standalone `pytorch_lightning`: the same plugins, written from the same sources when the package is built
+(build_backend/pytorch_lightning_flavour.py; tests/conftest.py writes it again before every session).
 
 The precision-string tests (test_precision.py) and the equivalence with the recipe (test_multiprocess.py) run
-against both namespaces too.
+against both namespaces too; tests/test_packaging.py checks the flavour of a built wheel.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import pytorch_lightning_flavour as flavour
 import torch
 from conftest import worker_env
 
 import lightning_ddp_amp
-from lightning_ddp_amp import _namespaces
 
 pl = pytest.importorskip("pytorch_lightning")
 import lightning_ddp_amp.pytorch_lightning as plugins  # noqa: E402
 
 SOURCE = Path(lightning_ddp_amp.__file__).parent
+REPO = Path(__file__).parents[1]
+COPIED = flavour.copied_modules()
 
 
 def test_plugins_derive_from_the_standalone_packages_classes() -> None:
@@ -36,36 +39,56 @@ def test_plugins_derive_from_the_standalone_packages_classes() -> None:
 
 
 def test_one_source_of_truth_shared_errors_and_modules() -> None:
-    # Built from the very files of lightning_ddp_amp, not a copy in the repository.
-    assert Path(sys.modules[plugins.EnvDDPStrategy.__module__].__file__ or "") == SOURCE / "trainer" / "strategy.py"
+    # Written from the very files of lightning_ddp_amp, at build time; the shared modules are not copied.
+    written = Path(sys.modules[plugins.EnvDDPStrategy.__module__].__file__ or "")
+    assert written == SOURCE / "pytorch_lightning" / "trainer" / "strategy.py"
+    assert written.read_text().startswith(flavour.rewrite((SOURCE / "trainer" / "strategy.py").read_text(), COPIED))
     assert plugins.LauncherEnvironmentError is lightning_ddp_amp.LauncherEnvironmentError
     assert plugins.read_topology is lightning_ddp_amp.read_topology
-    copied = _namespaces.namespaced_modules()
-    assert {"trainer.strategy", "trainer.precision", "trainer.cli", "_lightning"} <= copied
-    for module, path in _namespaces._modules().items():
-        if module not in copied | {"__init__", "__main__", "_namespaces"}:
-            assert not any(m.split(".")[0] == "lightning" for m in _namespaces._imports(path)), module
+    assert {"trainer.strategy", "trainer.precision", "trainer.cli", "_lightning"} <= COPIED
+    for module, path in flavour.modules().items():
+        if module not in COPIED | flavour.NEVER | {"__init__"}:
+            assert not any(m.split(".")[0] == "lightning" for m in flavour.imports(path)), module
 
 
-@pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules()))
+@pytest.mark.parametrize("module", sorted(COPIED))
 def test_every_copied_module_imports_only_the_standalone_package_and_the_copies(module: str) -> None:
-    # Parsed after the rewrite: an import form the rewrite misses (`import lightning as L`, a parenthesised
-    # `from lightning_ddp_amp import (...)`) would mix the two class hierarchies, and fails here.
-    source = _namespaces.source_file(module).read_text()
-    rewritten = _namespaces.rewrite(source)
-    assert rewritten.count("\n") == source.count("\n")  # tracebacks point at the real lines
-    copied = _namespaces.namespaced_modules()
+    # Parsed after the rewrite: an import form the rewrite misses (`import lightning as L`) would mix the two class
+    # hierarchies, and fails here.
+    source = (SOURCE / f"{module.replace('.', '/')}.py").read_text()
+    rewritten = flavour.rewrite(source, COPIED)
+    assert rewritten.count("\n") == source.count("\n")  # tracebacks point at the source's lines
+    in_flavour = COPIED | flavour.copied_packages(COPIED) | set(flavour.PUBLIC_CLASSES)
     for node in ast.walk(ast.parse(rewritten)):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         if isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         for name in names:
             assert name.split(".")[0] != "lightning", f"{module}.py still imports {name}"
-            flavour = name.removeprefix(f"{_namespaces.NAMESPACE}.")
-            in_flavour = copied | _namespaces.namespaced_packages() | set(_namespaces._PUBLIC_CLASSES)
-            assert flavour == name or _prefixes(flavour) & in_flavour, f"{module}.py imports {name}: not copied"
+            flavoured = name.removeprefix(f"{flavour.FLAVOUR}.")
+            assert flavoured == name or _prefixes(flavoured) & in_flavour, f"{module}.py imports {name}: not copied"
             shared = name.removeprefix("lightning_ddp_amp.")
-            assert shared == name or not _prefixes(shared) & copied, f"{module}.py imports the original {name}"
+            assert shared == name or not _prefixes(shared) & COPIED, f"{module}.py imports the original {name}"
+
+
+def test_an_import_over_several_lines_is_rewritten_and_the_lines_below_keep_their_numbers() -> None:
+    source = (
+        "from lightning_ddp_amp import (\n"
+        "    _lightning,\n"
+        "    errors,\n"
+        ")  # noqa: E402\n"
+        "from lightning.pytorch import Trainer\n"
+        "import lightning\n"
+    )
+    rewritten = flavour.rewrite(source, frozenset({"_lightning"}))
+    assert rewritten.splitlines() == [
+        "from lightning_ddp_amp.pytorch_lightning import _lightning; from lightning_ddp_amp import errors  # noqa: E402",
+        "",
+        "",
+        "",
+        "from pytorch_lightning import Trainer",
+        "import pytorch_lightning as lightning",
+    ]
 
 
 def _prefixes(name: str) -> set[str]:
@@ -74,25 +97,33 @@ def _prefixes(name: str) -> set[str]:
     return {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
 
 
-@pytest.mark.parametrize("module", sorted(_namespaces.namespaced_modules()))
+@pytest.mark.parametrize("module", sorted(COPIED))
 def test_every_copied_module_imports_in_the_standalone_flavour(module: str) -> None:
-    path = _namespaces.source_file(module)
-    assert importlib.import_module(f"{_namespaces.NAMESPACE}.{module}").__file__ == str(path)
+    imported = importlib.import_module(f"{flavour.FLAVOUR}.{module}")
+    assert imported.__file__ == str(SOURCE / "pytorch_lightning" / f"{module.replace('.', '/')}.py")
 
 
-def test_the_type_stubs_are_the_rewritten_sources() -> None:
-    # Type checkers and IDEs read the stubs, not the import hook: they must declare what the hook builds.
-    committed = {path: path.read_text() for path in _namespaces.STUBS.rglob("*.pyi")}
-    expected = _namespaces.stubs()
-    stale = sorted(
-        path.relative_to(_namespaces.STUBS).as_posix()
-        for path in committed.keys() | expected.keys()
-        if committed.get(path) != expected.get(path)
+def test_the_flavour_on_disk_is_todays_and_nothing_of_it_is_versioned() -> None:
+    written = {path: path.read_text() for path in (SOURCE / "pytorch_lightning").rglob("*.py")}
+    assert written == flavour.flavour_files()
+    tracked = subprocess.run(
+        ["git", "ls-files", "src/lightning_ddp_amp/pytorch_lightning"], cwd=REPO, capture_output=True, text=True
     )
-    assert not stale, (
-        f"stubs={stale}: out of date with the sources."
-        " Fix: python -c 'from lightning_ddp_amp import _namespaces; _namespaces.write_stubs()'"
-    )
+    assert tracked.returncode == 0 and tracked.stdout == "", tracked.stdout
+
+
+def test_the_flavour_is_written_again_only_where_a_source_changed(tmp_path: Path) -> None:
+    import shutil
+
+    source = tmp_path / "lightning_ddp_amp"
+    shutil.copytree(SOURCE, source, ignore=shutil.ignore_patterns("pytorch_lightning", "__pycache__"))
+    assert len(flavour.write_flavour(source)) == len(flavour.flavour_files(source))
+    assert flavour.write_flavour(source) == []
+    errors = (source / "trainer" / "cli.py").read_text()
+    (source / "trainer" / "cli.py").write_text(errors + "\n# changed\n")
+    (source / "pytorch_lightning" / "stale.py").write_text("")
+    assert flavour.write_flavour(source) == [source / "pytorch_lightning" / "trainer" / "cli.py"]
+    assert not (source / "pytorch_lightning" / "stale.py").exists()
 
 
 #: What the README recommends, as a user writes it, with one wrong argument.
@@ -120,12 +151,51 @@ def test_a_user_file_type_checks_against_the_standalone_classes(tmp_path: Path) 
 
 
 def test_process_wide_state_exists_once_in_both_flavours() -> None:
-    # A signal has one handler per process: whichever Trainer trains, its strategy watches the one SIGTERM flag.
+    # A signal has one handler per process, a decision is said once, an RNN is hooked once, apex O1's shims are
+    # wrapped once: whichever Trainer trains, both flavours reach the one copy of each.
+    from lightning_ddp_amp import rank_zero
+    from lightning_ddp_amp.amp import apex_backend, apex_o1
     from lightning_ddp_amp.trainer import resume
 
-    copied = importlib.import_module(f"{_namespaces.NAMESPACE}.trainer.resume")
+    copied = importlib.import_module(f"{flavour.FLAVOUR}.trainer.resume")
     assert copied is not resume
     assert copied.PREEMPTION is resume.PREEMPTION
+    for shared in (rank_zero, apex_o1, apex_backend):
+        name = shared.__name__.removeprefix("lightning_ddp_amp.")
+        assert name not in COPIED
+        assert not (SOURCE / "pytorch_lightning" / f"{name.replace('.', '/')}.py").exists()
+
+
+#: Module-level values that are state (filled as the process runs), not constants: an empty container.
+_EMPTY_CONTAINERS = ("set", "dict", "list", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "WarningCache")
+
+
+def _state(tree: ast.Module) -> list[str]:
+    found = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        called = value.func if isinstance(value, ast.Call) and not value.args and not value.keywords else None
+        name = getattr(called, "attr", getattr(called, "id", None))
+        empty_literal = isinstance(value, (ast.Set, ast.Dict, ast.List)) and not getattr(
+            value, "elts", getattr(value, "keys", [1])
+        )
+        if name in _EMPTY_CONTAINERS or empty_literal:
+            found += [target.id for target in targets if isinstance(target, ast.Name)]
+    return found
+
+
+def test_no_copied_module_holds_process_wide_state() -> None:
+    # State in a copied module would exist once per flavour: it belongs in a shared module (rank_zero, preemption).
+    held = {
+        module: _state(ast.parse(path.read_text())) for module, path in flavour.modules().items() if module in COPIED
+    }
+    assert {module: names for module, names in held.items() if names} == {}
+    assert _state(ast.parse("SAID = WarningCache()\nHOOKED: weakref.WeakSet[int] = weakref.WeakSet()\nX = {}")) == [
+        "SAID",
+        "HOOKED",
+        "X",
+    ]
 
 
 def test_checking_whether_pytorch_lightning_is_installed_keeps_the_registration() -> None:
@@ -140,8 +210,8 @@ def test_checking_whether_pytorch_lightning_is_installed_keeps_the_registration(
 
 
 def test_messages_name_the_standalone_classes() -> None:
-    assert "class_path: lightning_ddp_amp.pytorch_lightning.AmpPrecision" in _namespaces.rewrite(
-        "class_path: lightning_ddp_amp.AmpPrecision"
+    assert "class_path: lightning_ddp_amp.pytorch_lightning.AmpPrecision" in flavour.rewrite(
+        "class_path: lightning_ddp_amp.AmpPrecision", COPIED
     )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import worker_env
+from test_namespaces import USER_FILE
 
 REPO = Path(__file__).parents[1]
 # Builds and installs the wheel, and starts a pytest run of its own against it.
@@ -65,9 +66,12 @@ class Venv:
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     """``python -m build --wheel`` on a copy of the sources, so that the checkout gets no build/ or egg-info."""
     source = tmp_path_factory.mktemp("source")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
         shutil.copy2(REPO / name, source / name)
-    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    # Without the pytorch_lightning flavour, as git has the sources: the build writes it.
+    ignored = shutil.ignore_patterns("*.egg-info", "__pycache__", "pytorch_lightning")
+    shutil.copytree(REPO / "src", source / "src", ignore=ignored)
+    shutil.copytree(REPO / "build_backend", source / "build_backend", ignore=ignored)
     dist = tmp_path_factory.mktemp("dist")
     # No isolation, so no index: the build backend (setuptools) comes from this environment's [dev] extra.
     command = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(source)]
@@ -118,8 +122,10 @@ def test_the_wheel_ships_the_type_marker_and_the_console_script(build: Build) ->
         (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
         scripts = wheel.read(entry_points).decode()
     assert "lightning_ddp_amp/py.typed" in names
-    assert "lightning_ddp_amp/pytorch_lightning/__init__.pyi" in names  # the types of the pytorch_lightning flavour
-    assert "lightning_ddp_amp/pytorch_lightning/trainer/strategy.pyi" in names  # and of its subpackages
+    # The pytorch_lightning flavour, written by the build: real modules, which type checkers read too.
+    assert "lightning_ddp_amp/pytorch_lightning/__init__.py" in names
+    assert "lightning_ddp_amp/pytorch_lightning/trainer/strategy.py" in names
+    assert not [name for name in names if name.endswith(".pyi")]
     assert "lightning_ddp_amp/commands/compare/_site/sitecustomize.py" in names  # what `compare` puts on PYTHONPATH
     assert "lightning-ddp-amp = lightning_ddp_amp.commands.main:main" in scripts
 
@@ -134,11 +140,16 @@ def test_the_package_is_imported_from_the_installed_wheel(venv: Venv) -> None:
         "import importlib.metadata, json, sys\n"
         "import pytorch_lightning\n"
         "import lightning_ddp_amp, lightning_ddp_amp.pytorch_lightning as flavour\n"
+        "t = pytorch_lightning.Trainer(strategy='envddp', precision='amp-O1', accelerator='cpu', logger=False)\n"
+        "import lightning_fabric\n"
+        "f = lightning_fabric.Fabric(strategy='envddp', precision='native-O1', accelerator='cpu')\n"
         "print(json.dumps({\n"
         "    'file': lightning_ddp_amp.__file__,\n"
         "    'flavour': flavour.__file__,\n"
         "    'flavour_is_a_pytorch_lightning_strategy': issubclass(\n"
         "        flavour.EnvDDPStrategy, pytorch_lightning.strategies.DDPStrategy),\n"
+        "    'trainer': [type(t.strategy).__module__, type(t.precision_plugin).__module__],\n"
+        "    'fabric': [type(f.strategy).__module__, type(f.strategy.precision).__module__],\n"
         "    'distribution': str(importlib.metadata.distribution('lightning-ddp-amp').locate_file('')),\n"
         "    'path': sys.path,\n"
         "}))\n"
@@ -150,12 +161,25 @@ def test_the_package_is_imported_from_the_installed_wheel(venv: Venv) -> None:
     assert Path(found["file"]) == package / "__init__.py"
     assert Path(found["flavour"]).is_relative_to(package)
     assert found["flavour_is_a_pytorch_lightning_strategy"]
+    flavour = "lightning_ddp_amp.pytorch_lightning"
+    assert found["trainer"] == [f"{flavour}.trainer.strategy", f"{flavour}.trainer.precision"]
+    assert found["fabric"] == [f"{flavour}.fabric.strategy", f"{flavour}.fabric.precision"]
     assert Path(found["distribution"]) == venv.site_packages
     assert str(REPO / "src") not in found["path"]
 
 
 def test_the_type_marker_is_installed(venv: Venv) -> None:
     assert (venv.site_packages / "lightning_ddp_amp" / "py.typed").is_file()
+
+
+def test_a_user_file_type_checks_against_the_installed_standalone_flavour(venv: Venv, tmp_path: Path) -> None:
+    # The installed wheel, not this checkout: mypy runs in the venv, from a folder without src/.
+    (tmp_path / "user.py").write_text(USER_FILE)
+    command = ["-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"), str(tmp_path / "user.py")]
+    result = venv.run(venv.python, *command, timeout=600)
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, result.stdout
+    assert 'user.py:7: error: Argument "timeout" to "EnvDDPStrategy" has incompatible type "str"' in errors[0]
 
 
 def test_the_console_script_reports_the_environment(venv: Venv) -> None:

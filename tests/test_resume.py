@@ -21,10 +21,10 @@ import torch
 from conftest import drop_loader_positions
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import RunningStage
+from pytorch_lightning_flavour import copied_modules
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigurationError
-from lightning_ddp_amp._namespaces import namespaced_modules
 from lightning_ddp_amp.launch.preemption import PREEMPTION
 from lightning_ddp_amp.trainer.position import check_resumed_positions, position_of
 from lightning_ddp_amp.trainer.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
@@ -747,5 +747,5 @@ def test_outside_the_training_loop_sigterm_ends_the_process(tmp_path: Path) -> N
 
 def test_the_preemption_flag_lives_in_a_module_that_does_not_import_lightning() -> None:
     # Such modules are shared by the lightning and pytorch_lightning flavours, so the flag exists once per process.
-    assert "launch.preemption" not in namespaced_modules()
-    assert {"trainer.resume", "trainer.strategy"} <= namespaced_modules()
+    assert "launch.preemption" not in copied_modules()
+    assert {"trainer.resume", "trainer.strategy"} <= copied_modules()

@@ -4,11 +4,12 @@ Importing this package registers ``"envddp"`` (and ``"envddp_find_unused_paramet
 strategy registry (and in Fabric's) and teaches ``Trainer(precision=...)`` (and ``Fabric(precision=...)``) the values ``"apex-O0"`` … ``"apex-O3"``,
 ``"amp-O0"`` … ``"amp-O3"`` and ``"native-O0"`` … ``"native-O3"``, so
 ``Trainer(strategy="envddp", precision="apex-O1")`` works, with ``lightning`` and with the standalone
-``pytorch_lightning``, whose plugin classes live in ``lightning_ddp_amp.pytorch_lightning`` (built from the same
-files, see ``_namespaces.py``).
+``pytorch_lightning``, whose plugin classes live in ``lightning_ddp_amp.pytorch_lightning`` (these modules with
+Lightning's imports renamed, written when the package is built: ``build_backend/``; ``_standalone.py``).
 """
 
-from lightning_ddp_amp.launch.environment import Topology, check_rank_variables, read_topology
+from lightning_ddp_amp.launch.environment import check_rank_variables, read_topology
+from lightning_ddp_amp.launch.topology import Topology
 
 # Before anything imports Lightning, which parses RANK and LOCAL_RANK with a bare int() at import time.
 check_rank_variables()
@@ -67,6 +68,6 @@ _lightning.install_fabric_hook(
 )
 
 if __name__ == "lightning_ddp_amp":  # not in lightning_ddp_amp.pytorch_lightning, which is built from this file
-    from lightning_ddp_amp import _namespaces
+    from lightning_ddp_amp import _standalone
 
-    _namespaces.install()
+    _standalone.install()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.rank_zero import WarningCache
 
-_LOGGED: set[str] = set()
+#: Every decision said so far, in Lightning's own once-only cache. This module imports neither Lightning flavour, so
+#: ``lightning``'s Trainers and ``pytorch_lightning``'s share it: a process says each decision once.
+_SAID = WarningCache()
 
 
 def log_once(message: str, warn: bool = False) -> None:
-    """``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear the decision once."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        (rank_zero_warn if warn else rank_zero_info)(message)
+    """Lightning's ``rank_zero_info`` (or ``rank_zero_warn``) once per process: several Trainers hear a decision once.
+
+    Both flavours' ``rank_zero_info`` is ``lightning_utilities``' own, logging to the logger Lightning gave it.
+    """
+    (_SAID.warn if warn else _SAID.info)(message)

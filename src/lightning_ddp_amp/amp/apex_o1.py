@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from lightning.fabric.utilities import rank_zero_info
+from lightning_utilities.core.rank_zero import rank_zero_info  # what lightning.fabric.utilities re-exports
 from torch.nn import Module
 from torch.nn.utils.rnn import PackedSequence
 
