@@ -79,61 +79,111 @@ def copied_packages(copied: frozenset[str]) -> frozenset[str]:
     return frozenset(module.rsplit(".", depth)[0] for module in copied for depth in range(1, module.count(".") + 1))
 
 
-def rewrite(text: str, copied: frozenset[str]) -> str:
+class _Names:
+    """Which dotted names of the package belong to the flavour: a copied module, or what a copied package holds."""
+
+    def __init__(self, copied: frozenset[str], source: Path) -> None:
+        self.copied = copied
+        self.packages = copied_packages(copied)
+        packages = {
+            ".".join(path.parent.relative_to(source).parts)
+            for path in source.rglob("__init__.py")
+            if path.relative_to(source).parts[0] != "pytorch_lightning"
+        }
+        self.known = (set(modules(source)) | packages) - {"__init__", ""}
+
+    def flavoured(self, dotted: str) -> bool:
+        """Whether ``lightning_ddp_amp.<dotted>`` names something of the flavour (a module, a package, or a name in one).
+
+        The longest prefix of ``dotted`` that is a module or package of the source decides: a copied module or package
+        is the flavour's; a name of the package itself is only when it is one of :data:`PUBLIC_CLASSES`.
+        """
+        parts = dotted.split(".")
+        for end in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:end])
+            if prefix in self.known:
+                return prefix in self.copied or prefix in self.packages
+        return parts[0] in PUBLIC_CLASSES
+
+
+def rewrite(text: str, copied: frozenset[str], source: Path = SOURCE) -> str:
     """``text``, a module of the package, as it reads in the ``pytorch_lightning`` flavour. Line numbers are kept.
 
-    Dotted names are renamed wherever they appear (code, messages, docstrings), as Lightning's tooling does; the
-    statements ``from lightning_ddp_amp[.subpackage] import a, b`` and ``import lightning`` are rewritten from their
-    syntax tree, so that their form (parentheses, several lines) does not matter.
+    Import statements are rewritten from their syntax tree, so that their form (parentheses, several lines, ``as``)
+    does not matter: each name the package imports comes from the flavour when it is the flavour's (a copied
+    module, or a name a copied module or package holds), from the package otherwise. Everywhere else (code,
+    messages, docstrings) the dotted names are renamed by the same rule, as Lightning's tooling renames its own.
     """
-    packages = copied_packages(copied)
+    names = _Names(copied, source)
+    statements = sorted(
+        (node for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.Import, ast.ImportFrom))),
+        key=lambda node: (node.lineno, node.col_offset),
+    )
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+
+    def offset(line: int, column: int) -> int:  # ast's columns count UTF-8 bytes
+        return starts[line - 1] + len(lines[line - 1].encode()[:column].decode())
+
+    pieces, done = [], 0
+    for node in statements:
+        begin = offset(node.lineno, node.col_offset)
+        end = offset(node.end_lineno or node.lineno, node.end_col_offset or 0)
+        pieces.append(_rename(text[done:begin], names))
+        spanned = text.count("\n", begin, end)
+        # One line, then the lines the statement spanned more, empty: the lines below keep their numbers.
+        pieces.append(_statement(node, names) + "\n" * spanned if spanned else _statement(node, names))
+        done = end
+    pieces.append(_rename(text[done:], names))
+    return "".join(pieces)
+
+
+def _rename(text: str, names: _Names) -> str:
+    """Lightning's names and the flavour's, renamed in ``text`` (no import statement)."""
     text = re.sub(r"\blightning\.pytorch\b", "pytorch_lightning", text)
     text = re.sub(r"\blightning\.fabric\b", "lightning_fabric", text)
-    renamed = "|".join(re.escape(name) for name in sorted(copied | set(PUBLIC_CLASSES), key=len, reverse=True))
-    text = re.sub(rf"\b{PACKAGE}\.({renamed})\b", rf"{FLAVOUR}.\1", text)
-    lines = text.splitlines(keepends=True)
-    for node in sorted(_import_statements(text), key=lambda node: node.lineno, reverse=True):
-        replacement = _statement(node, copied, packages)
-        if replacement is None:
-            continue
-        first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
-        # The offsets count UTF-8 bytes.
-        before = lines[first].encode()[: node.col_offset].decode()
-        after = lines[last].encode()[node.end_col_offset :].decode()
-        # One line, then as many empty ones as the statement spanned more: the lines below keep their numbers.
-        lines[first : last + 1] = [before + replacement + after] + ["\n"] * (last - first)
-    return "".join(lines)
+    return re.sub(rf"\b{PACKAGE}((?:\.\w+)+)", lambda match: _module(match.group(0), names), text)
 
 
-def _import_statements(text: str) -> list[ast.Import | ast.ImportFrom]:
-    return [node for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.Import, ast.ImportFrom))]
+def _module(dotted: str, names: _Names) -> str:
+    """``dotted``, a module or a name in one, as the flavour imports it."""
+    for old, new in (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric")):
+        if dotted == old or dotted.startswith(old + "."):
+            return new + dotted.removeprefix(old)
+    inside = dotted.removeprefix(PACKAGE + ".")
+    if inside == dotted or inside.startswith("pytorch_lightning") or not names.flavoured(inside):
+        return dotted
+    return f"{FLAVOUR}.{inside}"
 
 
-def _statement(node: ast.Import | ast.ImportFrom, copied: frozenset[str], packages: frozenset[str]) -> str | None:
-    """``node`` rewritten for the flavour, on one line; None when it stays as it is."""
+def _statement(node: ast.Import | ast.ImportFrom, names: _Names) -> str:
+    """The import statement ``node`` as the flavour writes it, on one line."""
     if isinstance(node, ast.Import):
-        names = [alias.name for alias in node.names]
-        if names == ["lightning"] and node.names[0].asname is None:
-            return "import pytorch_lightning as lightning"
-        if names == [PACKAGE] and node.names[0].asname is None:
-            return f"import {FLAVOUR}"  # binds lightning_ddp_amp, and registers the flavour
-        return None
-    if node.level or node.module is None or not (node.module == PACKAGE or node.module.startswith(PACKAGE + ".")):
-        return None
-    subpackage = node.module.removeprefix(PACKAGE).removeprefix(".")
-    if subpackage and subpackage not in packages:
-        return None  # a shared subpackage, or a copied module (already renamed)
-    prefix = f"{subpackage}." if subpackage else ""
-    in_flavour = copied | packages | (set() if subpackage else set(PUBLIC_CLASSES))
-    names = [alias.name + (f" as {alias.asname}" if alias.asname else "") for alias in node.names]
-    flavoured = [name for alias, name in zip(node.names, names, strict=True) if prefix + alias.name in in_flavour]
-    shared = [name for name in names if name not in flavoured]
-    if not flavoured:
-        return None
-    module = f".{subpackage}" if subpackage else ""
-    statements = [f"from {FLAVOUR}{module} import {', '.join(flavoured)}"]
-    statements += [f"from {PACKAGE}{module} import {', '.join(shared)}"] if shared else []
-    return "; ".join(statements)
+        aliases = []
+        for alias in node.names:
+            if alias.name == "lightning" and alias.asname is None:
+                aliases.append("pytorch_lightning as lightning")
+            elif alias.name == PACKAGE and alias.asname is None:
+                aliases.append(FLAVOUR)  # binds lightning_ddp_amp too, and registers the flavour
+            else:
+                aliases.append(_module(alias.name, names) + (f" as {alias.asname}" if alias.asname else ""))
+        return f"import {', '.join(aliases)}"
+    module = "." * node.level + (node.module or "")
+    spelled = [alias.name + (f" as {alias.asname}" if alias.asname else "") for alias in node.names]
+    if node.level or not (module == PACKAGE or module.startswith(PACKAGE + ".")):
+        return f"from {_module(module, names) if not node.level else module} import {', '.join(spelled)}"
+    inside = module.removeprefix(PACKAGE).removeprefix(".")
+    flavoured = [
+        name
+        for alias, name in zip(node.names, spelled, strict=True)
+        if names.flavoured(f"{inside}.{alias.name}" if inside else alias.name)
+    ]
+    shared = [name for name in spelled if name not in flavoured]
+    lines = [f"from {FLAVOUR}{'.' + inside if inside else ''} import {', '.join(flavoured)}"] if flavoured else []
+    lines += [f"from {module} import {', '.join(shared)}"] if shared else []
+    return "; ".join(lines)
 
 
 def flavour_files(source: Path = SOURCE) -> dict[Path, str]:
@@ -147,7 +197,7 @@ def flavour_files(source: Path = SOURCE) -> dict[Path, str]:
         written = target / original.relative_to(source)
         back = "../" * (len(written.relative_to(target).parts))
         header = _HEADER.format(source=f"{back}{original.relative_to(source).as_posix()}")
-        found[written] = rewrite(original.read_text(), copied) + header
+        found[written] = rewrite(original.read_text(), copied, source) + header
     return found
 
 

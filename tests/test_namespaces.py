@@ -45,7 +45,8 @@ def test_one_source_of_truth_shared_errors_and_modules() -> None:
     assert written.read_text().startswith(flavour.rewrite((SOURCE / "trainer" / "strategy.py").read_text(), COPIED))
     assert plugins.LauncherEnvironmentError is lightning_ddp_amp.LauncherEnvironmentError
     assert plugins.read_topology is lightning_ddp_amp.read_topology
-    assert {"trainer.strategy", "trainer.precision", "trainer.cli", "_lightning"} <= COPIED
+    assert {"trainer.strategy", "trainer.precision", "trainer.cli"} <= COPIED
+    assert {"_lightning", "trainer", "fabric"} <= flavour.copied_packages(COPIED)
     for module, path in flavour.modules().items():
         if module not in COPIED | flavour.NEVER | {"__init__"}:
             assert not any(m.split(".")[0] == "lightning" for m in flavour.imports(path)), module
@@ -73,21 +74,25 @@ def test_every_copied_module_imports_only_the_standalone_package_and_the_copies(
 
 def test_an_import_over_several_lines_is_rewritten_and_the_lines_below_keep_their_numbers() -> None:
     source = (
-        "from lightning_ddp_amp import (\n"
+        "from lightning_ddp_amp import (  # noqa: E402\n"
         "    _lightning,\n"
         "    errors,\n"
-        ")  # noqa: E402\n"
+        ")\n"
+        "import lightning_ddp_amp._lightning.connectors as connectors, lightning\n"
         "from lightning.pytorch import Trainer\n"
         "import lightning\n"
+        "x = lightning_ddp_amp._lightning.connectors.install(lightning_ddp_amp.errors.nearest)\n"
     )
-    rewritten = flavour.rewrite(source, frozenset({"_lightning"}))
+    rewritten = flavour.rewrite(source, frozenset({"_lightning.connectors"}))
     assert rewritten.splitlines() == [
-        "from lightning_ddp_amp.pytorch_lightning import _lightning; from lightning_ddp_amp import errors  # noqa: E402",
+        "from lightning_ddp_amp.pytorch_lightning import _lightning; from lightning_ddp_amp import errors",
         "",
         "",
         "",
+        "import lightning_ddp_amp.pytorch_lightning._lightning.connectors as connectors, pytorch_lightning as lightning",
         "from pytorch_lightning import Trainer",
         "import pytorch_lightning as lightning",
+        "x = lightning_ddp_amp.pytorch_lightning._lightning.connectors.install(lightning_ddp_amp.errors.nearest)",
     ]
 
 
