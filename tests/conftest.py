@@ -24,7 +24,7 @@ import torch
 from lightning_ddp_amp.amp import native_backend
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "build_backend"))
-from pytorch_lightning_flavour import write_flavour  # noqa: E402
+from pytorch_lightning_flavour import write_flavour
 
 PACKAGE = "lightning_ddp_amp"
 
