@@ -22,7 +22,7 @@ from torch.utils.data import (
 )
 
 from lightning_ddp_amp import StrategyConfigurationError
-from lightning_ddp_amp.trainer.sharding import shard_dataloader, warn_unshuffled_training_shards
+from lightning_ddp_amp.trainer.sharding import Sharding, shard_dataloader, warn_unshuffled_training_shards
 
 DATASET = TensorDataset(torch.arange(10))
 TRAIN = RunningStage.TRAINING
@@ -35,7 +35,7 @@ def shards(
     """The sample indices each rank reads, in order."""
     result = []
     for rank in range(world):
-        sharded = shard_dataloader(loader, stage=stage, num_replicas=world, rank=rank, seed=0, **kwargs)
+        sharded = shard_dataloader(loader, stage, Sharding(num_replicas=world, rank=rank, seed=0, **kwargs))
         assert isinstance(sharded, DataLoader)
         for sampler in (sharded.sampler, getattr(sharded.batch_sampler, "sampler", None)):
             if hasattr(sampler, "set_epoch"):
@@ -85,14 +85,14 @@ class Pairs(BatchSampler):
 
 def test_custom_batch_sampler_receives_the_distributed_sampler() -> None:
     loader = DataLoader(DATASET, batch_sampler=Pairs(EvenFirst(), batch_size=2, drop_last=False))
-    sharded = shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0)
+    sharded = shard_dataloader(loader, TRAIN, Sharding(num_replicas=2, rank=0, seed=0))
     assert isinstance(sharded.batch_sampler, Pairs)
     assert shards(loader) == [[0, 4, 8, 3, 7], [2, 6, 1, 5, 9]]
 
 
 def test_a_loader_already_sharded_by_the_user_is_left_alone() -> None:
     loader = DataLoader(DATASET, sampler=DistributedSampler(DATASET, num_replicas=2, rank=0))
-    assert shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=1, seed=0) is loader
+    assert shard_dataloader(loader, TRAIN, Sharding(num_replicas=2, rank=1, seed=0)) is loader
 
 
 class Stream(IterableDataset):
@@ -102,12 +102,12 @@ class Stream(IterableDataset):
 
 def test_iterable_datasets_are_left_alone() -> None:
     loader = DataLoader(Stream(), batch_size=2)
-    assert shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=1, seed=0) is loader
+    assert shard_dataloader(loader, TRAIN, Sharding(num_replicas=2, rank=1, seed=0)) is loader
 
 
 def test_prediction_is_left_to_lightning() -> None:
     loader = DataLoader(DATASET, batch_size=2)
-    assert shard_dataloader(loader, stage=RunningStage.PREDICTING, num_replicas=2, rank=1, seed=0) is loader
+    assert shard_dataloader(loader, RunningStage.PREDICTING, Sharding(num_replicas=2, rank=1, seed=0)) is loader
 
 
 def test_default_eval_shards_pad_with_duplicates() -> None:
@@ -131,20 +131,22 @@ def test_exact_eval_does_not_change_training_shards() -> None:
 
 def test_split_batches_divides_the_global_batch() -> None:
     sharded = shard_dataloader(
-        DataLoader(DATASET, batch_size=4), stage=TRAIN, num_replicas=2, rank=0, seed=0, split_batches=True
+        DataLoader(DATASET, batch_size=4), TRAIN, Sharding(num_replicas=2, rank=0, seed=0, split_batches=True)
     )
     assert sharded.batch_size == 2
 
 
 def test_split_batches_with_a_positional_batch_size() -> None:
-    sharded = shard_dataloader(DataLoader(DATASET, 4), stage=TRAIN, num_replicas=2, rank=0, seed=0, split_batches=True)
+    sharded = shard_dataloader(
+        DataLoader(DATASET, 4), TRAIN, Sharding(num_replicas=2, rank=0, seed=0, split_batches=True)
+    )
     assert sharded.batch_size == 2
 
 
 def test_split_batches_with_an_indivisible_batch_is_an_error() -> None:
     with pytest.raises(StrategyConfigurationError) as raised:
         shard_dataloader(
-            DataLoader(DATASET, batch_size=5), stage=TRAIN, num_replicas=2, rank=0, seed=0, split_batches=True
+            DataLoader(DATASET, batch_size=5), TRAIN, Sharding(num_replicas=2, rank=0, seed=0, split_batches=True)
         )
     assert str(raised.value).startswith(
         "split_batches=True: DataLoader(batch_size=5) does not divide evenly across WORLD_SIZE=2 ranks. Fix: use a"
@@ -157,19 +159,19 @@ def test_split_batches_with_a_custom_batch_sampler_is_an_error() -> None:
     with pytest.raises(
         StrategyConfigurationError, match=r"^split_batches=True: the DataLoader has a custom batch_sampler \(Pairs\)"
     ):
-        shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0, split_batches=True)
+        shard_dataloader(loader, TRAIN, Sharding(num_replicas=2, rank=0, seed=0, split_batches=True))
 
 
 def test_split_batches_applies_when_the_user_shards_the_data_himself() -> None:
     loader = DataLoader(DATASET, batch_size=4)
-    sharded = shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0, shard=False, split_batches=True)
+    sharded = shard_dataloader(loader, TRAIN, Sharding(num_replicas=2, rank=0, seed=0, shard=False, split_batches=True))
     assert sharded.batch_size == 2
     assert isinstance(sharded.sampler, type(loader.sampler))
 
 
 def test_split_batches_applies_to_iterable_datasets() -> None:
     sharded = shard_dataloader(
-        DataLoader(Stream(), batch_size=4), stage=TRAIN, num_replicas=2, rank=0, seed=0, split_batches=True
+        DataLoader(Stream(), batch_size=4), TRAIN, Sharding(num_replicas=2, rank=0, seed=0, split_batches=True)
     )
     assert [len(batch) for batch in sharded] == [2, 2]
 
@@ -179,7 +181,7 @@ def global_batches(loader: DataLoader, world: int, epoch: int) -> list[list[int]
     permutation (rank r reads its j-th sample from position j * world + r)."""
     per_rank = []
     for rank in range(world):
-        sharded = shard_dataloader(loader, stage=TRAIN, num_replicas=world, rank=rank, seed=0, split_batches=True)
+        sharded = shard_dataloader(loader, TRAIN, Sharding(num_replicas=world, rank=rank, seed=0, split_batches=True))
         assert isinstance(sharded, DataLoader)
         sharded.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         per_rank.append([batch.tolist() for (batch,) in sharded])
@@ -201,7 +203,7 @@ def test_split_batches_in_one_process_draws_the_global_batches_of_every_world_si
 def test_split_batches_in_one_process_keeps_a_batch_sampler_of_the_script() -> None:
     # Several ranks refuse it (no global batch to split); one process has nothing to split.
     loader = DataLoader(DATASET, batch_sampler=Pairs(EvenFirst(), batch_size=2, drop_last=False))
-    alone = shard_dataloader(loader, stage=TRAIN, num_replicas=1, rank=0, seed=0, split_batches=True)
+    alone = shard_dataloader(loader, TRAIN, Sharding(num_replicas=1, rank=0, seed=0, split_batches=True))
     assert [batch.tolist() for (batch,) in alone] == [[0, 2], [4, 6], [8, 1], [3, 5], [7, 9]]
 
 
@@ -211,18 +213,18 @@ def test_without_split_batches_one_process_keeps_the_scripts_loader(shuffle: boo
     # The plain script: its DataLoader, its sampler (and, shuffled, its draws from the global generator).
     loader = DataLoader(DATASET, batch_size=4, shuffle=shuffle)
     sampler = loader.sampler
-    assert shard_dataloader(loader, stage=stage, num_replicas=1, rank=0, seed=0) is loader
+    assert shard_dataloader(loader, stage, Sharding(num_replicas=1, rank=0, seed=0)) is loader
     assert loader.sampler is sampler
 
 
 def test_split_batches_in_one_process_leaves_evaluation_loaders_alone() -> None:
     loader = DataLoader(DATASET, batch_size=4, shuffle=True)
-    assert shard_dataloader(loader, stage=VAL, num_replicas=1, rank=0, seed=0, split_batches=True) is loader
+    assert shard_dataloader(loader, VAL, Sharding(num_replicas=1, rank=0, seed=0, split_batches=True)) is loader
 
 
 def test_without_sharding_or_splitting_the_loader_is_untouched() -> None:
     loader = DataLoader(DATASET, batch_size=4)
-    assert shard_dataloader(loader, stage=TRAIN, num_replicas=2, rank=0, seed=0, shard=False) is loader
+    assert shard_dataloader(loader, TRAIN, Sharding(num_replicas=2, rank=0, seed=0, shard=False)) is loader
 
 
 @pytest.mark.parametrize(
@@ -239,14 +241,14 @@ def test_without_sharding_or_splitting_the_loader_is_untouched() -> None:
 )
 def test_exact_eval_refuses_what_it_cannot_make_exact(loader: DataLoader, words: str) -> None:
     with pytest.raises(StrategyConfigurationError) as raised:
-        shard_dataloader(loader, stage=VAL, num_replicas=2, rank=0, seed=0, exact_eval=True)
+        shard_dataloader(loader, VAL, Sharding(num_replicas=2, rank=0, seed=0, exact_eval=True))
     assert str(raised.value).startswith("exact_eval=True: ")
     assert words in str(raised.value)
 
 
 def sharded(loader: DataLoader, stage: RunningStage = TRAIN, **kwargs: bool) -> object:
     """Rank 0's copy of ``loader`` on 2 ranks, as the strategy hands it to the loop."""
-    return shard_dataloader(loader, stage=stage, num_replicas=2, rank=0, seed=0, **kwargs)
+    return shard_dataloader(loader, stage, Sharding(num_replicas=2, rank=0, seed=0, **kwargs))
 
 
 def order_warnings(train_dataloader: object) -> list[str]:

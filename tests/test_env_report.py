@@ -18,7 +18,12 @@ import pytest
 import torch
 from conftest import check, finish, free_port, start_python, worker_env
 
-from lightning_ddp_amp.commands import env as env_report
+from lightning_ddp_amp import versions
+from lightning_ddp_amp.commands.env import apex as env_apex
+from lightning_ddp_amp.commands.env import command as env_report
+from lightning_ddp_amp.commands.env import launcher as env_launcher
+from lightning_ddp_amp.commands.env import machine as env_machine
+from lightning_ddp_amp.commands.env import text as env_text
 
 SRUN_RANK_1 = {
     "SLURM_JOB_ID": "77",
@@ -78,30 +83,26 @@ def test_the_text_report_names_the_rank_it_is_of_in_its_first_line() -> None:
     # Run on every rank of a job, the reports look alike: the header tells them apart.
     header = f"lightning-ddp-amp {env_report.report({})['versions']['lightning_ddp_amp']} environment report"
     assert (
-        env_report.render(env_report.report(TORCHRUN_RANK_1)).splitlines()[0]
+        env_text.render(env_report.report(TORCHRUN_RANK_1)).splitlines()[0]
         == f"{header} for rank 1 of 2 (local rank 1)"
     )
-    assert (
-        env_report.render(env_report.report(SRUN_RANK_1)).splitlines()[0] == f"{header} for rank 1 of 2 (local rank 1)"
-    )
+    assert env_text.render(env_report.report(SRUN_RANK_1)).splitlines()[0] == f"{header} for rank 1 of 2 (local rank 1)"
     # Without a topology (WORLD_SIZE missing), the variables as they are set.
-    assert env_report.render(env_report.report({"RANK": "1", "LOCAL_RANK": "0"})).splitlines()[0] == (
+    assert env_text.render(env_report.report({"RANK": "1", "LOCAL_RANK": "0"})).splitlines()[0] == (
         f"{header} for RANK=1, LOCAL_RANK=0"
     )
-    assert (
-        env_report.render(env_report.report({})).splitlines()[0] == header
-    )  # one process, no launcher: no rank to name
+    assert env_text.render(env_report.report({})).splitlines()[0] == header  # one process, no launcher: no rank to name
 
 
 def test_every_line_of_the_text_report_fits_100_columns_with_long_facts_and_problems() -> None:
     env = {**TWO_NODES_BY_HAND, "MASTER_ADDR": "localhost", "MASTER_PORT": str(free_port()), "PMI_RANK": "0"}
     for data in (env_report.report({}), env_report.report(env), env_report.report({"RANK": "1", "LOCAL_RANK": "0"})):
-        lines = env_report.render(data).splitlines()
+        lines = env_text.render(data).splitlines()
         assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     # Wrapped, not cut: a fact's continuation sits under its text, a problem's under its words.
-    decision = env_report.render(env_report.report({})).splitlines()[3:5]
+    decision = env_text.render(env_report.report({})).splitlines()[3:5]
     assert decision[0].startswith("decision     single process:") and decision[1].startswith(" " * 13 + "Trainer")
-    text = env_report.render(env_report.report(env))
+    text = env_text.render(env_report.report(env))
     problem = next(p for p in env_report.report(env)["problems"] if p["problem"].startswith("MASTER_ADDR="))
     assert " ".join(text.split()).count(" ".join(f"PROBLEM: {problem['problem']}".split())) == 1
     assert " ".join(f"fix: {problem['fix']}".split()) in " ".join(text.split())
@@ -126,8 +127,8 @@ def test_report_says_when_the_ranks_were_self_launched() -> None:
 def test_decision_without_a_launcher_on_a_machine_with_several_gpus() -> None:
     from lightning_ddp_amp import Topology
 
-    assert env_report._decision(Topology(), gpus=4).startswith("self-launch: no launcher variables and 4 GPUs")
-    assert env_report._decision(Topology(), gpus=1).startswith("single process")
+    assert env_launcher.decision(Topology(), gpus=4).startswith("self-launch: no launcher variables and 4 GPUs")
+    assert env_launcher.decision(Topology(), gpus=1).startswith("single process")
 
 
 def test_slurm_job_variables_without_srun_are_explained() -> None:
@@ -146,9 +147,9 @@ def test_other_mpis_are_a_problem() -> None:
 def test_cuda_without_nccl_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     # A CUDA machine whose torch build lacks NCCL: both facts stand in for hardware and builds this CPU lacks.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(env_report.dist, "is_nccl_available", lambda: False)
+    monkeypatch.setattr(env_machine.dist, "is_nccl_available", lambda: False)
     problems: list[dict[str, str]] = []
-    assert env_report._backends(problems)["default"] == "nccl"
+    assert env_machine.backends_section(problems)["default"] == "nccl"
     assert problems == [
         {
             "problem": "CUDA is available but this torch build has no NCCL",
@@ -166,8 +167,8 @@ def test_bad_environment_is_a_problem_with_its_fix_and_exit_status_one() -> None
 
 
 def test_unsupported_lightning_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = env_report.installed
-    monkeypatch.setattr(env_report, "installed", lambda name: "2.4.0" if name == "lightning" else real(name))
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda name: "2.4.0" if name == "lightning" else real(name))
     problems = env_report.report({})["problems"]
     assert {"problem": "lightning 2.4.0 is outside the releases lightning-ddp-amp is tested with",
             "fix": "pip install 'lightning>=2.5.0,<2.7.0'"} in problems  # fmt: skip
@@ -196,7 +197,7 @@ def fake_apex(root: Path, files: dict[str, str]) -> Path:
 
 def apex_report(monkeypatch: pytest.MonkeyPatch, root: Path) -> tuple[dict[str, Any], list[dict[str, str]]]:
     monkeypatch.syspath_prepend(str(root))
-    for name in [n for n in sys.modules if n.split(".")[0] in ("apex", *env_report.APEX_EXTENSIONS)]:
+    for name in [n for n in sys.modules if n.split(".")[0] in ("apex", *env_apex.APEX_EXTENSIONS)]:
         monkeypatch.delitem(sys.modules, name)
     data = env_report.report({})
     return data["apex"], data["problems"]

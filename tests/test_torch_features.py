@@ -20,9 +20,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import AmpPrecision, PeerError, PrecisionConfigurationError
 from lightning_ddp_amp.amp import native_backend
-from lightning_ddp_amp.commands import env as env_report
+from lightning_ddp_amp.commands.env import command as env_report
+from lightning_ddp_amp.commands.env import text as env_text
 from lightning_ddp_amp.launch import process_group
-from lightning_ddp_amp.launch.environment import Topology
+from lightning_ddp_amp.launch.topology import Topology
 
 TORCH_RELEASE = Version(torch.__version__).release
 
@@ -191,7 +192,7 @@ JOIN_ONE_OF_FOUR = """
 import sys, torch
 from datetime import timedelta
 from lightning_ddp_amp.launch import process_group
-from lightning_ddp_amp.launch.environment import Topology
+from lightning_ddp_amp.launch.topology import Topology
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 job = Topology(rank=rank, world_size=4, local_world_size=4, master_addr="127.0.0.1", master_port=port,
                launcher="environment")
@@ -245,7 +246,7 @@ def test_the_env_report_lists_what_this_torch_lacks(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(process_group, "BINDS_DEVICE", False)
     data = env_report.report(argv=[])
     assert any("init_process_group has no device_id" in gap for gap in data["versions"]["torch_gaps"])
-    assert "\n  without    torch " in env_report.render(data)
+    assert "\n  without    torch " in env_text.render(data)
 
 
 def test_the_env_report_flags_a_torch_older_than_2_1(monkeypatch: pytest.MonkeyPatch) -> None:

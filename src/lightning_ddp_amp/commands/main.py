@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_ddp_amp.errors import nearest
-from lightning_ddp_amp.versions import installed
+from lightning_ddp_amp.versions import gathered
 
 #: Every subcommand, with what it does.
 COMMANDS = {
@@ -34,13 +34,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(version())
         return 0
     if first == "compare":
-        from lightning_ddp_amp.commands import compare
+        from lightning_ddp_amp.commands.compare import command as compare
 
         return compare.main(argv[1:])
     if first == "env" or (first is not None and first.startswith("--local")):  # torch.distributed.launch's option
-        from lightning_ddp_amp.commands import env as env_report
+        from lightning_ddp_amp.commands.env import command as env_command
 
-        return env_report.main(argv)
+        return env_command.main(argv)
     if first is None:
         print(f"lightning-ddp-amp: name a command\n{USAGE}", file=sys.stderr)
         return 2
@@ -52,7 +52,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def version() -> str:
     """The package's version, with torch's and Lightning's."""
-    package, torch, lightning = (
-        installed(name) or "not installed" for name in ("lightning_ddp_amp", "torch", "lightning")
-    )
-    return f"lightning-ddp-amp {package} (torch {torch}, lightning {lightning})"
+    found = gathered()
+    package, lightning = found["lightning_ddp_amp"] or "not installed", found["lightning"] or "not installed"
+    return f"lightning-ddp-amp {package} (torch {found['torch']}, lightning {lightning})"

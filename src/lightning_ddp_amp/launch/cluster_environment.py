@@ -22,7 +22,8 @@ from lightning.fabric.plugins.environments import (
 from typing_extensions import override
 
 from lightning_ddp_amp.errors import LauncherEnvironmentError, StrategyConfigurationError, whole_number
-from lightning_ddp_amp.launch.environment import Topology, detect_launcher
+from lightning_ddp_amp.launch.environment import detect_launcher
+from lightning_ddp_amp.launch.topology import Topology
 
 #: What Lightning's Trainer picks by itself when it is given no ClusterEnvironment. Each stands for a launcher envddp
 #: handles itself, so envddp's own validated reading of the variables (``read_topology``) takes its place.

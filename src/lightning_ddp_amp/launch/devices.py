@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_ddp_amp.errors import LauncherEnvironmentError
-from lightning_ddp_amp.launch.environment import Topology
+from lightning_ddp_amp.launch.topology import Topology
 
 
 def select_devices(

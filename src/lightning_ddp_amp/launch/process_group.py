@@ -34,7 +34,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 
 from lightning_ddp_amp.errors import PeerError, StrategyConfigurationError, TopologyMismatchError
-from lightning_ddp_amp.launch.environment import Topology, started_by
+from lightning_ddp_amp.launch.environment import started_by
+from lightning_ddp_amp.launch.topology import Topology
 
 # What gloo and NCCL say when a peer process is gone.
 _PEER_GONE = re.compile(

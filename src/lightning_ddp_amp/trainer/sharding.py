@@ -25,6 +25,7 @@ trains the same order in every epoch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from lightning.pytorch.trainer.states import RunningStage
@@ -51,31 +52,11 @@ SHARDED_STAGES = (
 )
 
 
-def shard_dataloader(
-    dataloader: object,
-    *,
-    stage: RunningStage | None,
-    num_replicas: int,
-    rank: int,
-    seed: int,
-    shard: bool = True,
-    split_batches: bool = False,
-    exact_eval: bool = False,
-    progress: Callable[[], tuple[int, int, int]] | None = None,
-    resuming: ResumePoint | None = None,
-) -> object:
-    """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
-
-    In one process (``num_replicas=1``) the DataLoader is returned as it is: nothing to shard or split. A training
-    DataLoader with ``progress`` still records its position, order and layout in checkpoints; one with a sampler of
-    the script's own that continues an epoch is rebuilt with one replica of the sharding wrapper, which yields the
-    sampler's order unchanged but can leave out what the epoch already trained. Under ``split_batches`` a training
-    ``RandomSampler`` or ``SequentialSampler`` is replaced by one replica of the ranks' ``DistributedSampler``, so
-    that one process trains the global batches of every world size.
+@dataclass(frozen=True)
+class Sharding:
+    """How a fit hands its DataLoaders to the ranks: the same for every DataLoader :func:`shard_dataloader` rebuilds.
 
     Args:
-        dataloader: What the LightningModule or DataModule returned.
-        stage: The loop asking for it.
         num_replicas: World size.
         rank: Global rank.
         seed: Seed of the shuffled order (the order also depends on the epoch).
@@ -86,6 +67,28 @@ def shard_dataloader(
         progress: For the training DataLoader: the current epoch, how many of its batches are trained, and how
             many it has, read when a checkpoint is saved. Makes the DataLoader resumable mid-epoch.
         resuming: The checkpoint this fit continues from, named when its position cannot be continued.
+    """
+
+    num_replicas: int
+    rank: int
+    seed: int
+    shard: bool = True
+    split_batches: bool = False
+    exact_eval: bool = False
+    progress: Callable[[], tuple[int, int, int]] | None = None
+    resuming: ResumePoint | None = None
+
+
+def shard_dataloader(dataloader: object, stage: RunningStage | None, sharding: Sharding) -> object:
+    """Return ``dataloader`` rebuilt so that this rank reads only its shard, in batches of its share.
+
+    In one process (``num_replicas=1``) the DataLoader is returned as it is, nothing to shard or split, except two
+    kinds of training DataLoader that get one replica of the ranks' sampler (:func:`_in_one_process`).
+
+    Args:
+        dataloader: What the LightningModule or DataModule returned.
+        stage: The loop asking for it.
+        sharding: How the fit shards its DataLoaders.
 
     Raises:
         StrategyConfigurationError: ``split_batches`` with a batch size that does not divide evenly, or with a
@@ -93,40 +96,65 @@ def shard_dataloader(
     """
     if stage not in SHARDED_STAGES or not isinstance(dataloader, DataLoader):
         return dataloader
-    iterable = isinstance(dataloader.dataset, IterableDataset)
-    source = None if iterable else _user_sampler(dataloader)
-    if num_replicas == 1:
-        # Nothing to shard or split. The training DataLoader still records its position and layout: a checkpoint
-        # then holds a position for the same DataLoaders at every world size, as Lightning needs to hand them back.
-        training = stage == RunningStage.TRAINING and shard and _shardable(source)
-        if not training or _resumable_of_its_own(dataloader):
-            return dataloader
-        assert _shardable(source)
-        # split_batches promises the same global batches at every world size: one replica of the ranks' sampler.
-        # (A sampler of the script's own already yields the same order at every world size.)
-        if not (split_batches and isinstance(source, (RandomSampler, SequentialSampler))):
-            if progress is None:
-                return dataloader
-            resumable = make_resumable(source)
-            if resumable is not None or resuming is None or not resuming.mid_epoch:
-                layout = DataLayout.of(dataloader, source, num_replicas=1, seed=seed, split_batches=split_batches)
-                LoaderPosition(dataloader, layout, progress, resumable, resuming).attach()
-                return dataloader
-    unrepeated = exact_eval and stage != RunningStage.TRAINING
+    source = None if isinstance(dataloader.dataset, IterableDataset) else _user_sampler(dataloader)
+    if sharding.num_replicas == 1:
+        return _in_one_process(dataloader, source, stage, sharding)
+    return _rebuilt(dataloader, source, stage, sharding)
+
+
+def _in_one_process(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, stage: RunningStage, sharding: Sharding
+) -> DataLoader[Any]:
+    """One process keeps the script's DataLoader, as the plain script did; its training DataLoader still records its
+    position, order and layout in checkpoints, so that a checkpoint holds a position for the same DataLoaders at
+    every world size, as Lightning needs to hand them back.
+
+    Two training DataLoaders are rebuilt with one replica of the ranks' sampler instead: under ``split_batches`` one
+    whose ``RandomSampler`` or ``SequentialSampler`` must yield the global batches of every world size, and one whose
+    sampler of the script's own cannot leave out what a resumed epoch already trained (the sharding wrapper yields
+    the sampler's order unchanged, and can).
+    """
+    training = stage == RunningStage.TRAINING and sharding.shard and _shardable(source)
+    if not training or _resumable_of_its_own(dataloader):
+        return dataloader
+    assert _shardable(source)
+    if sharding.split_batches and isinstance(source, (RandomSampler, SequentialSampler)):
+        return _rebuilt(dataloader, source, stage, sharding)
+    if sharding.progress is None:
+        return dataloader
+    resumable = make_resumable(source)
+    resuming = sharding.resuming
+    if resumable is None and resuming is not None and resuming.mid_epoch:
+        return _rebuilt(dataloader, source, stage, sharding)
+    layout = DataLayout.of(dataloader, source, num_replicas=1, seed=sharding.seed, split_batches=sharding.split_batches)
+    LoaderPosition(dataloader, layout, sharding.progress, resumable, resuming).attach()
+    return dataloader
+
+
+def _rebuilt(
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, stage: RunningStage, sharding: Sharding
+) -> DataLoader[Any]:
+    """The DataLoader with the ranks' sampler and each rank's share of the global batch; itself when neither
+    changes. A training DataLoader with ``progress`` records its position, order and layout in checkpoints."""
+    unrepeated = sharding.exact_eval and stage != RunningStage.TRAINING
     if unrepeated:
-        _check_exact_eval(dataloader, source, num_replicas)
+        _check_exact_eval(dataloader, source, sharding.num_replicas)
     # One process has nothing to split: its batch sampler, even one of the script's own, stays as it is.
-    split = split_batches and num_replicas > 1
-    batch_size = _per_rank_batch_size(dataloader, num_replicas, resuming) if split else None
-    sampler: Sampler[Any] | Iterable[Any] | None = None
-    if shard and _shardable(source):
-        sampler = _distributed_sampler(dataloader, source, unrepeated, num_replicas=num_replicas, rank=rank, seed=seed)
+    split = sharding.split_batches and sharding.num_replicas > 1
+    batch_size = _per_rank_batch_size(dataloader, sharding.num_replicas, sharding.resuming) if split else None
+    sampler = _distributed_sampler(dataloader, source, unrepeated, sharding) if sharding.shard else None
     if sampler is None and batch_size is None:
         return dataloader
     rebuilt = _lightning.rebuild_dataloader(dataloader, sampler or dataloader.sampler, batch_size=batch_size)
-    if isinstance(sampler, ResumableSampler) and progress is not None:
-        layout = DataLayout.of(rebuilt, source, num_replicas=num_replicas, seed=seed, split_batches=split_batches)
-        LoaderPosition(rebuilt, layout, progress, sampler, resuming).attach()
+    if isinstance(sampler, ResumableSampler) and sharding.progress is not None:
+        layout = DataLayout.of(
+            rebuilt,
+            source,
+            num_replicas=sharding.num_replicas,
+            seed=sharding.seed,
+            split_batches=sharding.split_batches,
+        )
+        LoaderPosition(rebuilt, layout, sharding.progress, sampler, sharding.resuming).attach()
     return rebuilt
 
 
@@ -153,14 +181,18 @@ def warn_unshuffled_training_shards(train_dataloader: object) -> None:
 
 
 def _distributed_sampler(
-    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any], unrepeated: bool, **kwargs: Any
-) -> Sampler[Any]:
+    dataloader: DataLoader[Any], source: Sampler[Any] | Iterable[Any] | None, unrepeated: bool, sharding: Sharding
+) -> Sampler[Any] | None:
+    """The sampler that gives this rank its shard of ``source``'s order; None where the strategy does not shard."""
+    if not _shardable(source):
+        return None
+    replicas, rank, seed = sharding.num_replicas, sharding.rank, sharding.seed
     if isinstance(source, (RandomSampler, SequentialSampler)):
         shuffle = isinstance(source, RandomSampler)
         sampler_cls = _lightning.UnrepeatedDistributedSampler if unrepeated else ResumableDistributedSampler
-        return sampler_cls(dataloader.dataset, shuffle=shuffle, **kwargs)
+        return sampler_cls(dataloader.dataset, num_replicas=replicas, rank=rank, seed=seed, shuffle=shuffle)
     wrapper_cls = _lightning.UnrepeatedDistributedSamplerWrapper if unrepeated else ResumableDistributedSamplerWrapper
-    return wrapper_cls(source, shuffle=False, **kwargs)
+    return wrapper_cls(source, num_replicas=replicas, rank=rank, seed=seed, shuffle=False)
 
 
 def _resumable_of_its_own(loader: DataLoader[Any]) -> bool:

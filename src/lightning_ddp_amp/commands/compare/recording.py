@@ -22,14 +22,13 @@ for a ``validate`` or ``test`` after ``fit``); a run that raises keeps its steps
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,7 @@ from lightning_ddp_amp.commands.compare.schema import (
     Stage,
 )
 from lightning_ddp_amp.commands.compare.summary import weight_distance
+from lightning_ddp_amp.commands.compare.tensors import fp32, hash_batch, hash_tensors, one_ulp_up, save_fp32
 
 
 @dataclasses.dataclass
@@ -151,11 +151,11 @@ class Recording:
             # broadcasts (DDP): the one point where every candidate must hold the same weights.
             if self.weights_hash is None:
                 state = pl_module.state_dict()
-                self.weights_hash = _hash_tensors(state)
+                self.weights_hash = hash_tensors(state)
                 if self.plan.save_start and trainer.global_rank == 0:
-                    _save_fp32(state, Path(self.plan.directory) / START_WEIGHTS)
+                    save_fp32(state, Path(self.plan.directory) / START_WEIGHTS)
                 if self.plan.perturb:
-                    _one_ulp_up(pl_module)
+                    one_ulp_up(pl_module)
             setup(trainer_)
 
         def recorded_backward(closure_loss: Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -168,7 +168,7 @@ class Recording:
         def hashed_convert_input(data: Any) -> Any:
             # The training loop casts a batch here (apex O2, "16-true", ...) before it moves it to the device.
             if self.batch_hash is None and trainer.training:
-                self.batch_hash = _hash_batch(data)
+                self.batch_hash = hash_batch(data)
             return convert_input(data)
 
         self._restore = [
@@ -185,7 +185,7 @@ class Recording:
         if not self._training():
             return
         if self.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
-            self.batch_hash = _hash_batch(batch)
+            self.batch_hash = hash_batch(batch)
         if self._opened is None:
             self._opened = _now(pl_module.device)
         if len(self._overflows) < overflow.MAX_LOCATED:
@@ -259,7 +259,7 @@ class Recording:
         """The baseline keeps its weights after ``done`` steps; any other run measures how far it is from them."""
         if trainer.global_rank != 0 or self.plan.baseline_directory is None:
             return
-        weights = _fp32(_trained_weights(pl_module, trainer.precision_plugin))
+        weights = fp32(_trained_weights(pl_module, trainer.precision_plugin))
         folder = Path(self.plan.baseline_directory)
         if self.plan.save_start:
             torch.save(weights, folder / snapshot_file(done))
@@ -324,7 +324,7 @@ class Recording:
             dist.all_gather_object(records, record)
         if trainer.global_rank != 0:
             return
-        _save_fp32(_trained_weights(pl_module, trainer.precision_plugin), Path(self.plan.directory) / FINAL_WEIGHTS)
+        save_fp32(_trained_weights(pl_module, trainer.precision_plugin), Path(self.plan.directory) / FINAL_WEIGHTS)
         self._document = {**self._header(trainer, len(records)), "ranks": sorted(records, key=lambda r: r["rank"])}
         self._write()
 
@@ -382,14 +382,6 @@ class Recording:
         }
 
 
-def _one_ulp_up(pl_module: Any) -> None:
-    """Every floating weight one unit in the last place up: a change no precision question depends on."""
-    with torch.no_grad():
-        for parameter in pl_module.parameters():
-            if parameter.is_floating_point():
-                parameter.copy_(torch.nextafter(parameter, torch.full_like(parameter, math.inf)))
-
-
 def _floats(values: list[Tensor]) -> list[float]:
     return torch.stack(values).cpu().tolist() if values else []
 
@@ -438,41 +430,3 @@ def _trained_weights(pl_module: Any, plugin: Any) -> dict[str, Tensor]:
     if hasattr(plugin, "put_fp32_masters"):  # AmpPrecision
         plugin.put_fp32_masters(state, pl_module)
     return state
-
-
-def _tensors(data: Any) -> Iterator[Tensor]:
-    """Every tensor in a batch, in order (tensors, mappings, sequences, dataclasses)."""
-    if isinstance(data, Tensor):
-        yield data
-    elif isinstance(data, Mapping):  # dict, and UserDict-based batches (Hugging Face's BatchEncoding)
-        for key in sorted(data, key=str):
-            yield from _tensors(data[key])
-    elif isinstance(data, (list, tuple)):
-        for item in data:
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(data) and not isinstance(data, type):
-        for field in dataclasses.fields(data):
-            yield from _tensors(getattr(data, field.name))
-
-
-def _hash_batch(batch: Any) -> str:
-    return _hash_tensors(dict(enumerate(_tensors(batch))))
-
-
-def _hash_tensors(tensors: dict[Any, Tensor]) -> str:
-    """SHA-256 of names, dtypes, shapes and bytes, so equal only for bit-identical tensors."""
-    digest = hashlib.sha256()
-    for name, tensor in tensors.items():
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _fp32(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The floating tensors of a state, as fp32 on the CPU: what the weight files hold and distances compare."""
-    return {name: t.detach().float().cpu() for name, t in state.items() if torch.is_floating_point(t)}
-
-
-def _save_fp32(state: dict[str, Tensor], path: Path) -> None:
-    torch.save(_fp32(state), path)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import textwrap
 
-from lightning_ddp_amp.commands.compare.report import percent
 from lightning_ddp_amp.commands.compare.schema import (
     ABOVE,
     APART,
@@ -28,6 +27,7 @@ from lightning_ddp_amp.commands.compare.schema import (
     Series,
     Summary,
 )
+from lightning_ddp_amp.commands.compare.verdict import percent
 
 #: The widest line the report prints.
 WIDTH = 100
