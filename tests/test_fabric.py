@@ -30,6 +30,7 @@ from conftest import (
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning_utilities.core.rank_zero import WarningCache
 from test_launchers import MPIRUN_RANK_3_OF_4, SRUN_RANK_3_OF_4, TORCHRUN_RANK_0_OF_2
 
 import lightning_ddp_amp
@@ -644,7 +645,7 @@ def test_a_one_rank_group_the_script_started_is_trained_on_without_saying_there_
     # A classic script run by `torchrun --nproc-per-node=1` that kept its dist.init_process_group("gloo") line.
     for name, value in {**launcher_variables(0, free_port(), world_size=1), "TORCHELASTIC_RUN_ID": "job"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(rank_zero, "_LOGGED", set())  # said again here, whatever an earlier test said
+    monkeypatch.setattr(rank_zero, "_SAID", WarningCache())  # said again here, whatever an earlier test said
     torch.distributed.init_process_group("gloo")
     try:
         group = torch.distributed.group.WORLD

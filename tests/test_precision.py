@@ -809,7 +809,7 @@ def test_o2_master_weights_of_another_model_are_a_clear_error(apex_double: Modul
 
 
 def skip_aware_step_lr() -> Any:
-    from lightning_ddp_amp.trainer.precision import SkipAwareScheduler
+    from lightning_ddp_amp.trainer.skip_aware_scheduler import SkipAwareScheduler
 
     optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
     return SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), lambda _: False)

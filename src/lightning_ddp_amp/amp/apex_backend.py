@@ -87,7 +87,7 @@ class ApexAmp(AmpBackend):
     @override
     def unavailable(cls, settings: AmpSettings) -> str | None:
         # apex computes in float16 only, so bfloat16 always runs natively.
-        if settings.dtype != torch.float16:
+        if settings.torch_dtype != torch.float16:
             return "apex amp has no bfloat16"
         return "NVIDIA apex amp is not importable" if find_amp() is None else None
 
@@ -105,7 +105,7 @@ class ApexAmp(AmpBackend):
                 " torch.amp here, and apex amp on a CUDA machine that has NVIDIA apex",
             )
         load_apex_module("apex.amp", "backend", requested)
-        if settings.dtype != torch.float16:
+        if settings.torch_dtype != torch.float16:
             raise PrecisionConfigurationError(
                 "dtype", "bfloat16", "apex amp computes in float16 only", 'use backend="native" for bfloat16'
             )
@@ -123,16 +123,11 @@ class ApexAmp(AmpBackend):
     @classmethod
     @override
     def from_settings(cls, settings: AmpSettings, device_type: str) -> ApexAmp:
-        options = {
-            "keep_batchnorm_fp32": settings.keep_batchnorm_fp32,
-            "loss_scale": settings.loss_scale,
-            "num_losses": settings.num_losses,
-            "min_loss_scale": settings.min_loss_scale,
-            "max_loss_scale": settings.max_loss_scale,
-            "cast_model_outputs": settings.cast_model_outputs,
-        }
+        # amp.initialize takes the options by their names, all but the native backend's dtype; None is apex's default.
+        given = {**settings.options(), "cast_model_outputs": settings.output_dtype}
+        options = {name: value for name, value in given.items() if name != "dtype" and value is not None}
         amp = load_apex_module("apex.amp", "backend", "apex")
-        return cls(amp, settings.opt_level, {name: value for name, value in options.items() if value is not None})
+        return cls(amp, settings.opt_level, options)
 
     @property
     def initialized(self) -> bool:

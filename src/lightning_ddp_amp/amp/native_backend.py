@@ -192,7 +192,7 @@ class NativeAmp(AmpBackend):
     @classmethod
     @override
     def check_settings(cls, settings: AmpSettings, requested: str) -> None:
-        level, bf16 = settings.opt_level, settings.dtype == torch.bfloat16
+        level, bf16 = settings.opt_level, settings.torch_dtype == torch.bfloat16
         if settings.loss_scale is not None and (level == "O3" or bf16):
             reason = "bfloat16 needs no loss scaling" if bf16 else "native O3 (pure half precision) has no loss scaler"
             raise PrecisionConfigurationError(
@@ -216,24 +216,24 @@ class NativeAmp(AmpBackend):
     @classmethod
     @override
     def lightning_precision(cls, settings: AmpSettings) -> str:
-        return lightning_precision(settings.opt_level, settings.dtype)
+        return lightning_precision(settings.opt_level, settings.torch_dtype)
 
     @classmethod
     @override
     def describe(cls, settings: AmpSettings) -> str:
-        return "torch.amp: " + describe(settings.opt_level, settings.dtype, settings.loss_scale)
+        return "torch.amp: " + describe(settings.opt_level, settings.torch_dtype, settings.loss_scale)
 
     @classmethod
     @override
     def from_settings(cls, settings: AmpSettings, device_type: str) -> NativeAmp:
         return cls(
             settings.opt_level,
-            settings.dtype,
+            settings.torch_dtype,
             device_type,
             settings.loss_scale,
             settings.min_loss_scale,
             settings.max_loss_scale,
-            settings.cast_model_outputs,
+            settings.output_dtype,
         )
 
     @classmethod
@@ -245,7 +245,7 @@ class NativeAmp(AmpBackend):
     @classmethod
     @override
     def model_dtype(cls, settings: AmpSettings) -> torch.dtype | None:
-        return settings.dtype if settings.opt_level == "O3" else None
+        return settings.torch_dtype if settings.opt_level == "O3" else None
 
     @property
     @override

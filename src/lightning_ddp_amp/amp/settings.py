@@ -1,35 +1,133 @@
-"""AmpPrecision's arguments, checked once, as every AMP backend reads them.
+"""The AMP options: one typed dataclass, with their defaults and their checks, that both doors and compare take.
 
-Each check raises :class:`~lightning_ddp_amp.errors.PrecisionConfigurationError` naming the argument, its value and
-the fix. Nothing here knows Lightning: the Trainer's precision plugin and a Fabric one check the same arguments.
+``AmpPrecision(opt_level="O2", loss_scale=128.0)`` passes its options through, untouched, to :class:`AmpSettings`,
+on the Trainer as on Fabric; every backend reads them from there, and compare carries a script's settings to another
+level with :meth:`AmpSettings.options`. :class:`AmpOptions` is how a door's signature lists them (``**options``), so
+that type checkers and LightningCLI see each option typed; a test keeps the two alike.
+
+Each check raises :class:`~lightning_ddp_amp.errors.PrecisionConfigurationError` naming the option, its value and the
+fix. Nothing here knows Lightning.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal, TypedDict, cast
 
 import torch
 
-from lightning_ddp_amp.errors import PrecisionConfigurationError, whole_number
-from lightning_ddp_amp.precision_strings import OPT_LEVELS
+from lightning_ddp_amp.errors import PrecisionConfigurationError, nearest, whole_number
+from lightning_ddp_amp.precision_strings import OPT_LEVELS, OptLevel
 
 #: ``AmpPrecision(dtype=...)``: the half-precision dtypes of the native backend.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-@dataclasses.dataclass(frozen=True)
-class AmpSettings:
-    """AmpPrecision's validated arguments, as every backend reads them (see :class:`~lightning_ddp_amp.AmpPrecision`)."""
+class AmpOptions(TypedDict, total=False):
+    """The options ``AmpPrecision`` takes by keyword besides ``opt_level``, as ``amp.initialize`` names them; their
+    defaults and checks are :class:`AmpSettings`'.
 
-    opt_level: str
-    dtype: torch.dtype
+    Args:
+        keep_batchnorm_fp32: As in ``amp.initialize`` (O2 / O3 only).
+        loss_scale: ``"dynamic"`` or a fixed scale; default: the level's (dynamic for O1 / O2).
+        num_losses: Number of losses with their own loss scale; pass ``loss_id`` to the backward.
+        min_loss_scale: Floor of a dynamic loss scale.
+        max_loss_scale: Ceiling of a dynamic loss scale.
+        cast_model_outputs: dtype the amp models' floating outputs are cast to, e.g. ``"float32"``.
+        dtype: Native backend only: ``"float16"`` or ``"bfloat16"`` (no loss scaling).
+    """
+
     keep_batchnorm_fp32: bool | None
-    loss_scale: float | str | None
+    loss_scale: float | Literal["dynamic"] | None
     num_losses: int
     min_loss_scale: float | None
     max_loss_scale: float
-    cast_model_outputs: torch.dtype | None
+    cast_model_outputs: str | torch.dtype | None
+    dtype: Literal["float16", "bfloat16"]
+
+
+def settings_of(opt_level: OptLevel, options: Mapping[str, object]) -> AmpSettings:
+    """:class:`AmpSettings` from a door's ``opt_level`` and ``**options``, a name that is no option refused.
+
+    Raises:
+        PrecisionConfigurationError: An option's name is not one of :class:`AmpOptions`' (the nearest is named), or
+            :class:`AmpSettings` refuses a value.
+    """
+    names = tuple(AmpOptions.__annotations__)
+    for name, value in options.items():
+        if name not in names:
+            near = nearest(name, names)
+            raise PrecisionConfigurationError(
+                name,
+                value,
+                "not an option of AmpPrecision",
+                (f"did you mean {near!r}? " if near else "") + f"The options are opt_level, {', '.join(names)}",
+            )
+    return AmpSettings(opt_level, **cast(AmpOptions, options))
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpSettings:
+    """The AMP options, checked, with their defaults: what every backend reads (what each means: :class:`AmpOptions`).
+
+    ``AmpSettings("O2", loss_scale=128.0)``; the doors build it from their arguments as given.
+
+    Args:
+        opt_level: apex's optimization level, ``"O0"`` … ``"O3"``.
+
+    Raises:
+        PrecisionConfigurationError: An option is invalid, or two of them contradict each other.
+    """
+
+    opt_level: OptLevel = "O1"
+    _: dataclasses.KW_ONLY
+    keep_batchnorm_fp32: bool | None = None
+    loss_scale: float | Literal["dynamic"] | None = None
+    num_losses: int = 1
+    min_loss_scale: float | None = None
+    max_loss_scale: float = 2.0**24
+    cast_model_outputs: str | torch.dtype | None = None
+    dtype: Literal["float16", "bfloat16"] = "float16"
+
+    def __post_init__(self) -> None:
+        check_choice("opt_level", self.opt_level, OPT_LEVELS)
+        check_choice("dtype", self.dtype, tuple(DTYPES))
+        if self.keep_batchnorm_fp32 is not None and self.opt_level in ("O0", "O1"):
+            raise PrecisionConfigurationError(
+                "keep_batchnorm_fp32",
+                self.keep_batchnorm_fp32,
+                f"it only applies to opt_level O2 and O3 (opt_level={self.opt_level!r} keeps batchnorm in fp32 anyway)",
+                "leave keep_batchnorm_fp32 unset",
+            )
+        whole_number(
+            PrecisionConfigurationError,
+            "num_losses",
+            self.num_losses,
+            "it must be a whole number of at least 1",
+            "e.g. num_losses=1",
+            minimum=1,
+        )
+        # A fixed scale given as a whole number (or a YAML string) is the float both backends are handed.
+        object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale))
+        _check_scale_bounds(self.min_loss_scale, self.max_loss_scale)
+        _to_dtype("cast_model_outputs", self.cast_model_outputs)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as torch's: the half precision of the native backend (apex runs float16 only)."""
+        return DTYPES[self.dtype]
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        """``cast_model_outputs`` as torch's dtype; None leaves the outputs as the models make them."""
+        return _to_dtype("cast_model_outputs", self.cast_model_outputs)
+
+    def options(self) -> AmpOptions:
+        """Every option but ``opt_level``, as a door takes them: ``AmpPrecision(level, **settings.options())`` runs
+        these settings at another level (what compare does with a script's own AmpPrecision)."""
+        fields = dataclasses.fields(self)
+        return cast(AmpOptions, {f.name: getattr(self, f.name) for f in fields if f.name != "opt_level"})
 
     def check_loss_id(self, loss_id: object) -> None:
         """Refuse a ``loss_id`` that names none of the ``num_losses`` loss scalers.
@@ -47,51 +145,6 @@ class AmpSettings:
             below=self.num_losses,
         )
 
-    @classmethod
-    def checked(
-        cls,
-        opt_level: object,
-        dtype: object,
-        keep_batchnorm_fp32: bool | None,
-        loss_scale: float | str | None,
-        num_losses: object,
-        min_loss_scale: float | None,
-        max_loss_scale: float,
-        cast_model_outputs: str | torch.dtype | None,
-    ) -> AmpSettings:
-        """The settings, once each argument is checked (``AmpPrecision``'s arguments of the same names).
-
-        Raises:
-            PrecisionConfigurationError: An argument is invalid, or two of them contradict each other.
-        """
-        check_choice("opt_level", opt_level, OPT_LEVELS)
-        check_choice("dtype", dtype, tuple(DTYPES))
-        assert isinstance(opt_level, str) and isinstance(dtype, str)
-        if keep_batchnorm_fp32 is not None and opt_level in ("O0", "O1"):
-            raise PrecisionConfigurationError(
-                "keep_batchnorm_fp32",
-                keep_batchnorm_fp32,
-                f"it only applies to opt_level O2 and O3 (opt_level={opt_level!r} keeps batchnorm in fp32 anyway)",
-                "leave keep_batchnorm_fp32 unset",
-            )
-        losses = whole_number(
-            PrecisionConfigurationError,
-            "num_losses",
-            num_losses,
-            "it must be a whole number of at least 1",
-            "e.g. num_losses=1",
-            minimum=1,
-        )
-        return cls(
-            opt_level,
-            DTYPES[dtype],
-            keep_batchnorm_fp32,
-            _loss_scale(loss_scale),
-            losses,
-            *_scale_bounds(min_loss_scale, max_loss_scale),
-            _to_dtype("cast_model_outputs", cast_model_outputs),
-        )
-
 
 def check_choice(field: str, value: object, choices: Sequence[str]) -> None:
     """Refuse a ``value`` of ``field`` that is not one of ``choices``.
@@ -105,24 +158,11 @@ def check_choice(field: str, value: object, choices: Sequence[str]) -> None:
         )
 
 
-def check_models(models: Sequence[str] | None) -> tuple[str, ...] | None:
-    """``AmpPrecision(models=...)``: the attribute names of the sub-modules amp acts on, or None for the module.
-
-    Raises:
-        PrecisionConfigurationError: ``models`` is not a non-empty list of names.
-    """
-    if models is None:
+def _loss_scale(loss_scale: float | str | None) -> float | Literal["dynamic"] | None:
+    if loss_scale is None:
         return None
-    if isinstance(models, str) or not all(isinstance(m, str) and m for m in models) or not models:
-        raise PrecisionConfigurationError(
-            "models", models, "it must be a non-empty list of attribute names", "e.g. models=['model_a', 'model_b']"
-        )
-    return tuple(models)
-
-
-def _loss_scale(loss_scale: float | str | None) -> float | str | None:
-    if loss_scale is None or loss_scale == "dynamic":
-        return loss_scale
+    if loss_scale == "dynamic":
+        return "dynamic"
     try:
         value = float(loss_scale)
     except (TypeError, ValueError):
@@ -134,7 +174,7 @@ def _loss_scale(loss_scale: float | str | None) -> float | str | None:
     return value
 
 
-def _scale_bounds(low: float | None, high: float) -> tuple[float | None, float]:
+def _check_scale_bounds(low: float | None, high: float) -> None:
     if low is not None and not low > 0:
         raise PrecisionConfigurationError("min_loss_scale", low, "it must be positive", "e.g. min_loss_scale=1.0")
     if not high > 0:
@@ -143,7 +183,6 @@ def _scale_bounds(low: float | None, high: float) -> tuple[float | None, float]:
         raise PrecisionConfigurationError(
             "min_loss_scale", low, f"it is above max_loss_scale={high}", "make min_loss_scale ≤ max_loss_scale"
         )
-    return low, high
 
 
 def _to_dtype(field: str, value: str | torch.dtype | None) -> torch.dtype | None:
@@ -179,11 +218,11 @@ def check_half_steps(
     """
     if dtype is None:
         return
-    cast = {id(param) for model in models for param in model.parameters()}
+    cast_weights = {id(param) for model in models for param in model.parameters()}
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             eps = group.get("eps")
-            steps_cast_weights = any(id(param) in cast for param in group["params"])
+            steps_cast_weights = any(id(param) in cast_weights for param in group["params"])
             if steps_cast_weights and isinstance(eps, float) and torch.tensor(eps, dtype=dtype).item() == 0 < eps:
                 name = type(optimizer).__name__
                 raise PrecisionConfigurationError(

@@ -27,12 +27,12 @@ from lightning.fabric.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module, ModuleList
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.loss_optimizers import LossOptimizers
-from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps
+from lightning_ddp_amp.amp.settings import AmpOptions, AmpSettings, check_choice, check_half_steps, settings_of
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 
@@ -48,13 +48,10 @@ class AmpPrecision(Precision):
     Args:
         opt_level: apex's optimization level, ``"O0"`` … ``"O3"``.
         backend: ``"apex"`` (NVIDIA apex required), ``"native"`` (torch.amp) or ``"auto"``.
-        keep_batchnorm_fp32: As in ``amp.initialize`` (O2 / O3 only).
-        loss_scale: ``"dynamic"`` or a fixed scale; default: the level's (dynamic for O1 / O2).
-        num_losses: Number of losses with their own loss scale; pass ``loss_id`` to ``fabric.backward``.
-        min_loss_scale: Floor of a dynamic loss scale.
-        max_loss_scale: Ceiling of a dynamic loss scale.
-        cast_model_outputs: dtype the models' floating outputs are cast to, e.g. ``"float32"``.
-        dtype: Native backend only: ``"float16"`` or ``"bfloat16"``.
+        **options: ``amp.initialize``'s other options (``keep_batchnorm_fp32``, ``loss_scale``, ``num_losses``,
+            ``min_loss_scale``, ``max_loss_scale``, ``cast_model_outputs``) and the native backend's ``dtype``:
+            :class:`~lightning_ddp_amp.amp.settings.AmpOptions`. With ``num_losses=2``, pass ``loss_id`` to
+            ``fabric.backward``.
 
     Raises:
         PrecisionConfigurationError: An argument is invalid or the combination cannot run.
@@ -63,28 +60,13 @@ class AmpPrecision(Precision):
 
     def __init__(
         self,
-        opt_level: OptLevel = "O1",
+        opt_level: OptLevel = AmpSettings.opt_level,
         backend: Literal["auto", "apex", "native"] = "auto",
-        keep_batchnorm_fp32: bool | None = None,
-        loss_scale: float | Literal["dynamic"] | None = None,
-        num_losses: int = 1,
-        min_loss_scale: float | None = None,
-        max_loss_scale: float = 2.0**24,
-        cast_model_outputs: str | torch.dtype | None = None,
-        dtype: Literal["float16", "bfloat16"] = "float16",
+        **options: Unpack[AmpOptions],
     ) -> None:
         check_choice("backend", backend, ("auto", *backend_names()))
-        self.settings = AmpSettings.checked(
-            opt_level,
-            dtype,
-            keep_batchnorm_fp32,
-            loss_scale,
-            num_losses,
-            min_loss_scale,
-            max_loss_scale,
-            cast_model_outputs,
-        )
-        self.opt_level = opt_level
+        #: The AMP options, checked, as the backends read them.
+        self.settings = settings_of(opt_level, options)
         self._requested_backend = backend
         self.backend, self._backend_class, self._passed_over = choose_backend(backend, self.settings)
         self.precision = self._backend_class.lightning_precision(self.settings)  # type: ignore[assignment]
@@ -99,6 +81,11 @@ class AmpPrecision(Precision):
 
     def __repr__(self) -> str:
         return f"AmpPrecision(backend={self.backend!r}, opt_level={self.opt_level!r})"
+
+    @property
+    def opt_level(self) -> OptLevel:
+        """apex's optimization level, ``"O0"`` … ``"O3"``."""
+        return self.settings.opt_level
 
     @property
     def flag(self) -> str:
@@ -165,10 +152,9 @@ class AmpPrecision(Precision):
         why = f"{'; '.join(self._passed_over)}, so " if self._passed_over else ""
         line = f"AmpPrecision: {why}opt_level {self.opt_level} runs on {self._backend_class.describe(self.settings)}"
         if str(self.precision).endswith("-mixed"):
-            half = "bfloat16" if self.settings.dtype == torch.bfloat16 else "float16"
             line += (
                 "; the inputs and outputs keep the dtypes the script and the model make, as in the apex recipe (Fabric's"
-                f" own {self.precision!r} casts floating inputs to {half} and outputs to float32)"
+                f" own {self.precision!r} casts floating inputs to {self.settings.dtype} and outputs to float32)"
             )
         return line
 

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -29,19 +28,21 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
 from lightning_ddp_amp.amp.loss_optimizers import LossOptimizers
-from lightning_ddp_amp.amp.settings import AmpSettings, check_choice, check_half_steps, check_models
+from lightning_ddp_amp.amp.settings import AmpOptions, AmpSettings, check_choice, check_half_steps, settings_of
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
+from lightning_ddp_amp.trainer.amp_models import amp_modules, check_models
+from lightning_ddp_amp.trainer.checkpoint_weights import put_fp32_masters
+from lightning_ddp_amp.trainer.skip_aware_scheduler import skip_aware
 
 BACKENDS = ("auto", *backend_names())
 
@@ -56,13 +57,10 @@ class AmpPrecision(Precision):
         models: Attribute names (dotted paths allowed) of the LightningModule's sub-modules to hand to
             ``amp.initialize``, e.g. ``["model_a", "model_b"]``. The LightningModule can instead define
             ``configure_amp_models()`` returning the modules. Default: the LightningModule itself.
-        keep_batchnorm_fp32: As in ``amp.initialize`` (O2 / O3 only).
-        loss_scale: ``"dynamic"`` or a fixed scale; default: the level's (dynamic for O1 / O2).
-        num_losses: Number of losses with their own loss scale; pass ``loss_id`` to ``manual_backward``.
-        min_loss_scale: Floor of a dynamic loss scale.
-        max_loss_scale: Ceiling of a dynamic loss scale.
-        cast_model_outputs: dtype the selected modules' floating outputs are cast to, e.g. ``"float32"``.
-        dtype: Native backend only: ``"float16"`` or ``"bfloat16"`` (no loss scaling).
+        **options: ``amp.initialize``'s other options (``keep_batchnorm_fp32``, ``loss_scale``, ``num_losses``,
+            ``min_loss_scale``, ``max_loss_scale``, ``cast_model_outputs``) and the native backend's ``dtype``:
+            :class:`~lightning_ddp_amp.amp.settings.AmpOptions`. With ``num_losses=2``, pass ``loss_id`` to
+            ``manual_backward``.
 
     Raises:
         PrecisionConfigurationError: An argument is invalid or the combination cannot run.
@@ -71,39 +69,18 @@ class AmpPrecision(Precision):
 
     def __init__(
         self,
-        opt_level: OptLevel = "O1",
+        opt_level: OptLevel = AmpSettings.opt_level,
         backend: Literal["auto", "apex", "native"] = "auto",
         models: Sequence[str] | None = None,
-        keep_batchnorm_fp32: bool | None = None,
-        loss_scale: float | Literal["dynamic"] | None = None,
-        num_losses: int = 1,
-        min_loss_scale: float | None = None,
-        max_loss_scale: float = 2.0**24,
-        cast_model_outputs: str | torch.dtype | None = None,
-        dtype: Literal["float16", "bfloat16"] = "float16",
+        **options: Unpack[AmpOptions],
     ) -> None:
         check_choice("backend", backend, BACKENDS)
         self.models = check_models(models)
-        self._settings = AmpSettings.checked(
-            opt_level,
-            dtype,
-            keep_batchnorm_fp32,
-            loss_scale,
-            num_losses,
-            min_loss_scale,
-            max_loss_scale,
-            cast_model_outputs,
-        )
-        self.opt_level = opt_level
-        self.keep_batchnorm_fp32 = keep_batchnorm_fp32
-        self.loss_scale = self._settings.loss_scale
-        self.num_losses = self._settings.num_losses
-        self.min_loss_scale, self.max_loss_scale = self._settings.min_loss_scale, self._settings.max_loss_scale
-        self.cast_model_outputs = self._settings.cast_model_outputs
-        self.dtype = self._settings.dtype
+        #: The AMP options, checked, as the backends read them.
+        self.settings = settings_of(opt_level, options)
         self._requested_backend = backend
-        self.backend, self._backend_class, self._passed_over = choose_backend(backend, self._settings)
-        self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
+        self.backend, self._backend_class, self._passed_over = choose_backend(backend, self.settings)
+        self.precision = self._backend_class.lightning_precision(self.settings)  # type: ignore[assignment]
         self._built: AmpBackend | None = None
         self._device_type: str | None = None
         self._optimizers = LossOptimizers("self.manual_backward")
@@ -115,17 +92,22 @@ class AmpPrecision(Precision):
         return f"AmpPrecision(backend={self.backend!r}, opt_level={self.opt_level!r})"
 
     @property
+    def opt_level(self) -> OptLevel:
+        """apex's optimization level, ``"O0"`` … ``"O3"``."""
+        return self.settings.opt_level
+
+    @property
     def master_weights(self) -> bool:
         """Whether the optimizer steps fp32 master copies of half-precision model weights (apex O2).
 
         apex's ``zero_grad`` then detaches each model gradient in place, which EnvDDPStrategy takes into account.
         """
-        return self._backend_class.master_weights(self._settings)
+        return self._backend_class.master_weights(self.settings)
 
     @property
     def model_dtype(self) -> torch.dtype | None:
         """The dtype the selected modules' weights, and so their gradients, are cast to; None when they stay fp32."""
-        return self._backend_class.model_dtype(self._settings)
+        return self._backend_class.model_dtype(self.settings)
 
     @property
     def amp_backend(self) -> AmpBackend:
@@ -136,7 +118,7 @@ class AmpPrecision(Precision):
         """
         if self._built is None:
             device = self._device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._built = self._backend_class.from_settings(self._settings, device)
+            self._built = self._backend_class.from_settings(self.settings, device)
         return self._built
 
     def check_trainer_setup(self, strategy: Strategy, accelerator: Accelerator) -> None:
@@ -160,14 +142,14 @@ class AmpPrecision(Precision):
             and not getattr(strategy, "connects_precision_before_wrap", False),
         )
         if self._requested_backend == "auto" and self._built is None:
-            self.backend, self._backend_class, self._passed_over = choose_backend("auto", self._settings, placement)
-            self.precision = self._backend_class.lightning_precision(self._settings)  # type: ignore[assignment]
+            self.backend, self._backend_class, self._passed_over = choose_backend("auto", self.settings, placement)
+            self.precision = self._backend_class.lightning_precision(self.settings)  # type: ignore[assignment]
         else:
-            self._backend_class.check_placement(self._settings, placement)
+            self._backend_class.check_placement(self.settings, placement)
         if self._passed_over:
             rank_zero_info(
                 f"AmpPrecision: {'; '.join(self._passed_over)}, so opt_level {self.opt_level} runs on"
-                f" {self._backend_class.describe(self._settings)}"
+                f" {self._backend_class.describe(self.settings)}"
             )
         # Lightning's model summary knows no "16-mixed" and warns, naming a precision the user never asked for; the fp32
         # bits it then sizes the model in are what O1's weights (and O2's masters) are.
@@ -190,7 +172,7 @@ class AmpPrecision(Precision):
         self.amp_backend.connect(model, self._selected(model), optimizers)
         self._model = model
         if self.amp_backend.may_skip_steps:
-            lr_schedulers = [self._skip_aware(config) for config in lr_schedulers]
+            lr_schedulers = [skip_aware(config, self.step_skipped) for config in lr_schedulers]
         return model, optimizers, lr_schedulers
 
     def models_wrapped(self) -> None:
@@ -209,44 +191,18 @@ class AmpPrecision(Precision):
         check_half_steps(self.model_dtype, self.amp_modules(model), optimizers, where, 'opt_level="O2"')
 
     def amp_modules(self, lightning_module: LightningModule) -> list[Module]:
-        """The modules handed to ``amp.initialize``: ``models``, ``configure_amp_models()``, or the module itself.
+        """The modules handed to ``amp.initialize``: ``models``, ``configure_amp_models()``, or the module itself
+        (:func:`~lightning_ddp_amp.trainer.amp_models.amp_modules`).
 
         Raises:
             PrecisionConfigurationError: a name does not lead to a module, both sources are given, or
                 ``configure_amp_models()`` returns something other than modules.
         """
-        configure = getattr(lightning_module, "configure_amp_models", None)
-        if self.models is not None:
-            if configure is not None:
-                raise PrecisionConfigurationError(
-                    "models",
-                    list(self.models),
-                    f"{type(lightning_module).__name__} also defines configure_amp_models()",
-                    "choose one: drop AmpPrecision(models=...) or the configure_amp_models() method",
-                )
-            return [_submodule(lightning_module, name) for name in self.models]
-        if configure is None:
-            return [lightning_module]
-        returned = configure()
-        modules = [returned] if isinstance(returned, Module) else list(returned)
-        if not modules or not all(isinstance(m, Module) for m in modules):
-            raise PrecisionConfigurationError(
-                "configure_amp_models()",
-                [type(m).__name__ for m in modules],
-                "it must return a non-empty sequence of torch.nn.Module",
-                "return the sub-modules whose forward you call, e.g. [self.model_a, self.model_b]",
-            )
-        return modules
+        return amp_modules(lightning_module, self.models)
 
     def _selected(self, model: Module) -> list[Module]:
         # A model that is not the LightningModule (a DDP wrapper, or a plain module outside a Trainer) is taken whole.
         return self.amp_modules(model) if isinstance(model, LightningModule) else [model]
-
-    def _skip_aware(self, config: LRSchedulerConfig) -> LRSchedulerConfig:
-        if config.interval != "step" or not hasattr(config.scheduler, "optimizer"):
-            return config
-        guarded = SkipAwareScheduler(config.scheduler, self.step_skipped)
-        return dataclasses.replace(config, scheduler=guarded)  # type: ignore[arg-type]
 
     @property
     def current_loss_scale(self) -> float | None:
@@ -308,7 +264,7 @@ class AmpPrecision(Precision):
             PrecisionConfigurationError: ``loss_id`` is not the number of one of the ``num_losses`` scalers, or
                 the loss reaches the parameters of several optimizers and ``optimizers`` does not name them.
         """
-        self._settings.check_loss_id(loss_id)
+        self.settings.check_loss_id(loss_id)
         if optimizers is None and optimizer is not None:
             optimizers = optimizer  # automatic optimization: the optimizer being stepped
         chosen = self._optimizers.choose(tensor, optimizers, loss_id)
@@ -407,17 +363,9 @@ class AmpPrecision(Precision):
             checkpoint.setdefault("MixedPrecision", grad_scaler_state(scalers[0]))
 
     def put_fp32_masters(self, state: dict[str, Tensor], module: Module) -> None:
-        """Replace, in ``module``'s ``state``, apex O2's fp16 weights by the fp32 masters the optimizer steps.
-
-        Every name of a tied weight is replaced; the masters are not copied (a checkpoint saves them once).
-        """
-        names: dict[int, list[str]] = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        for stepped, master in self.amp_backend.master_weight_pairs():
-            for name in names.get(id(stepped), []):
-                if name in state:
-                    state[name] = master.detach()
+        """Replace, in ``module``'s ``state``, apex O2's fp16 weights by the fp32 masters the optimizer steps
+        (:func:`~lightning_ddp_amp.trainer.checkpoint_weights.put_fp32_masters`)."""
+        put_fp32_masters(state, module, self.amp_backend.master_weight_pairs())
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -441,38 +389,6 @@ class AmpPrecision(Precision):
             self._built.teardown()
 
 
-class SkipAwareScheduler:
-    """A step-interval LR scheduler that stands still when its optimizer's step was skipped on overflow.
-
-    Lightning steps schedulers after every training step; a step the loss scaler skipped did not happen, so
-    the recipe's ``if not skipped: scheduler.step()`` is applied here. Everything else is the wrapped scheduler.
-
-    Args:
-        scheduler: The user's scheduler.
-        skipped: Tells whether the last step of an optimizer was skipped.
-    """
-
-    _OWN = ("scheduler", "_skipped")
-
-    def __init__(self, scheduler: Any, skipped: Callable[[Optimizer], bool]) -> None:
-        object.__setattr__(self, "scheduler", scheduler)
-        object.__setattr__(self, "_skipped", skipped)
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped scheduler's ``step``, unless the optimizer step it follows was skipped on overflow."""
-        if self._skipped(self.scheduler.optimizer):
-            return None
-        return self.scheduler.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._OWN or name.startswith("__"):
-            raise AttributeError(name)  # not set up yet (copy, pickle): do not recurse into the scheduler
-        return getattr(self.scheduler, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.scheduler, name, value)
-
-
 def resolve_precision_flag(precision: object, plugins: Any) -> tuple[object, Any]:
     """``Trainer(precision="apex-O1")`` / ``"amp-O1"`` / ``"native-O1"`` as an :class:`AmpPrecision` in ``plugins``
     (:func:`~lightning_ddp_amp.precision_strings.resolve_flag`)."""
@@ -494,17 +410,3 @@ def _device_type(accelerator: Accelerator) -> str:
     if isinstance(accelerator, MPSAccelerator):
         return "mps"
     return "cpu"
-
-
-def _submodule(root: Module, name: str) -> Module:
-    try:
-        module = root.get_submodule(name)
-    except AttributeError:
-        children = ", ".join(n for n, _ in root.named_children()) or "none"
-        raise PrecisionConfigurationError(
-            "models",
-            name,
-            f"{type(root).__name__} has no sub-module of that name (its children: {children})",
-            "name attributes of the LightningModule that hold torch.nn.Module, e.g. models=['model_a']",
-        ) from None
-    return module

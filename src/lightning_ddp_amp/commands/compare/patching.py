@@ -32,24 +32,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from lightning_ddp_amp.commands.compare.recording import Changes, Recording
 from lightning_ddp_amp.commands.compare.run_folder import Plan
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
-from lightning_ddp_amp.precision_strings import PRECISION_FLAG
+from lightning_ddp_amp.precision_strings import FLAG_BACKENDS, PRECISION_FLAG
 
 _MARK = "__lightning_ddp_amp_compare__"
-#: What a script's own AmpPrecision keeps when compare changes its level or backend.
-CARRIED_SETTINGS = (
-    "models",
-    "keep_batchnorm_fp32",
-    "loss_scale",
-    "num_losses",
-    "min_loss_scale",
-    "max_loss_scale",
-    "cast_model_outputs",
-)
 
 
 def patch(namespace: str, plan_file: str) -> None:
@@ -138,24 +126,7 @@ def _replace_arguments(
     def value(name: str) -> Any:
         return given[name] if name in given else defaults[name]
 
-    if value("precision") != plan.precision:  # the script's own precision is no change to list
-        changes.replaced.append(f"precision={value('precision')!r} -> {plan.precision!r}")
-    plugins = _as_list(value("plugins"))
-    removed = [plugin for plugin in plugins if isinstance(plugin, pl.plugins.precision.Precision)]
-    if removed:
-        plugins = [plugin for plugin in plugins if plugin not in removed]
-        changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
-    level = PRECISION_FLAG.match(plan.precision)
-    configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
-    if level is None:
-        given["precision"] = plan.precision
-    else:  # AmpPrecision itself: a removed AmpPrecision's settings carry over
-        family, opt_level = level.groups()
-        backend = {"apex": "apex", "amp": "auto", "native": "native"}[family]
-        given["precision"] = None
-        plugins.append(_amp_plugin(pl, opt_level, backend, configured, changes))
-    if removed or level is not None:
-        given["plugins"] = plugins
+    _replace_precision(given, value("precision"), _as_list(value("plugins")), plan.precision, changes, pl)
     max_steps, last = value("max_steps"), plan.first_step + plan.steps
     if max_steps is None or max_steps < 0 or max_steps > last:
         changes.replaced.append(f"max_steps={max_steps!r} -> {last}")
@@ -164,39 +135,68 @@ def _replace_arguments(
     given["default_root_dir"] = plan.directory
     logger = value("logger")
     if logger not in (None, True, False):
-        kept = []
         logs = os.path.join(plan.directory, "logs")
-        for each in _as_list(logger):
-            try:
-                if not isinstance(each, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
-                    raise TypeError(type(each).__name__)
-                kept.append(type(each)(save_dir=logs, name=each.name))
-                changes.replaced.append(f"{type(each).__name__} writes to {logs!r}")
-            except TypeError:
-                # A logger of its own kind, or a subclass built otherwise: it cannot be pointed elsewhere. Lightning's
-                # dummy swallows what the script logs through it (`self.logger.experiment.log(...)`); its folder is
-                # the candidate's, where LightningCLI saves its config.
-                dummy = type(
-                    "TurnedOffLogger",
-                    (_fence(pl).DummyLogger,),
-                    {"save_dir": property(lambda _: logs)},
-                )
-                kept.append(dummy())
-                changes.turned_off.append(type(each).__name__)
-        given["logger"] = kept
+        given["logger"] = [_redirected(each, logs, changes, pl) for each in _as_list(logger)]
+
+
+def _replace_precision(
+    given: dict[str, Any], precision: Any, plugins: list[Any], candidate: str, changes: Changes, pl: Any
+) -> None:
+    """Give the Trainer the ``candidate`` precision instead of the script's ``precision`` and precision plugins: a
+    string of Lightning's as it is, one of ours as AmpPrecision, which carries the settings of the script's own."""
+    if precision != candidate:  # the script's own precision is no change to list
+        changes.replaced.append(f"precision={precision!r} -> {candidate!r}")
+    removed = [plugin for plugin in plugins if isinstance(plugin, pl.plugins.precision.Precision)]
+    if removed:
+        plugins = [plugin for plugin in plugins if plugin not in removed]
+        changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
+    level = PRECISION_FLAG.match(candidate)
+    if level is None:
+        given["precision"] = candidate
+    else:
+        family, opt_level = level.groups()
+        configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
+        given["precision"] = None
+        plugins.append(_amp_plugin(pl, opt_level, FLAG_BACKENDS[family], configured, changes))
+    if removed or level is not None:
+        given["plugins"] = plugins
+
+
+def _redirected(logger: Any, logs: str, changes: Changes, pl: Any) -> Any:
+    """``logger`` writing into ``logs``: a CSV or TensorBoard logger built again there, any other turned off."""
+    rebuilt = _rebuilt(logger, logs, pl)
+    if rebuilt is not None:
+        changes.replaced.append(f"{type(logger).__name__} writes to {logs!r}")
+        return rebuilt
+    # A logger of its own kind cannot be pointed elsewhere. Lightning's dummy swallows what the script logs through it
+    # (`self.logger.experiment.log(...)`); its folder is the candidate's, where LightningCLI saves its config.
+    changes.turned_off.append(type(logger).__name__)
+    turned_off = type("TurnedOffLogger", (_fence(pl).DummyLogger,), {"save_dir": property(lambda _: logs)})
+    return turned_off()
+
+
+def _rebuilt(logger: Any, logs: str, pl: Any) -> Any | None:
+    """A CSV or TensorBoard logger of the same class and name writing into ``logs``; None for a logger of another kind,
+    or a subclass whose constructor takes other arguments."""
+    if not isinstance(logger, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
+        return None
+    try:
+        return type(logger)(save_dir=logs, name=logger.name)
+    except TypeError:
+        return None
 
 
 def _amp_plugin(pl: Any, opt_level: str, backend: str, configured: Any, changes: Changes) -> Any:
-    """AmpPrecision at ``opt_level`` on ``backend``, with the settings of the script's own AmpPrecision, if any."""
+    """AmpPrecision at ``opt_level`` on ``backend``, with the models and the AMP options of the script's own
+    AmpPrecision (``configured``), if any."""
     amp_precision = _amp_precision(pl)
     if configured is None:
         return amp_precision(opt_level=opt_level, backend=backend)
-    settings = {name: getattr(configured, name) for name in CARRIED_SETTINGS}
-    settings["dtype"] = "bfloat16" if configured.dtype == torch.bfloat16 else "float16"
+    options = configured.settings.options()
     try:
-        built = amp_precision(opt_level=opt_level, backend=backend, **settings)
-    except PrecisionConfigurationError as error:  # a setting this level refuses (keep_batchnorm_fp32 under O1, ...)
-        kept = {name: settings[name] for name in ("models", "num_losses")}
+        built = amp_precision(opt_level=opt_level, backend=backend, models=configured.models, **options)
+    except PrecisionConfigurationError as error:  # an option this level refuses (keep_batchnorm_fp32 under O1, ...)
+        kept = {"models": configured.models, "num_losses": options["num_losses"]}
         built = amp_precision(opt_level=opt_level, backend=backend, **kept)
         changes.replaced.append(f"kept only models and num_losses of the script's AmpPrecision ({error})")
     else:
