@@ -143,8 +143,18 @@ class AsksNothing(SingleDeviceStrategy):
     def check_trainer_flags(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("the hook asked a strategy that is not envddp")
 
-    def start_missing_ranks(self) -> None:
-        raise AssertionError("the hook asked a strategy that is not envddp")
+    def _configure_launcher(self) -> None:
+        self._launcher = StartsNothing()
+
+
+class StartsNothing:
+    """Test double: a launcher whose question shares the name of envddp's launcher's."""
+
+    is_interactive_compatible = True
+
+    @property
+    def starts_ranks(self) -> bool:
+        raise AssertionError("the hook asked the launcher of a strategy that is not envddp")
 
 
 class ChecksNothing(Precision):
@@ -486,7 +496,8 @@ def test_each_registry_entry_names_the_strategy_class_registered() -> None:
 def _lightning_imports_from_modules_their_package_exports() -> list[str]:
     """``module:line name`` for each public Lightning name imported from a module file whose package has it too."""
     found = []
-    for path in sorted(Path(lightning_ddp_amp.__file__).parent.glob("*.py")):
+    root = Path(lightning_ddp_amp.__file__).parent
+    for path in sorted([*root.glob("*.py"), *root.glob("_lightning/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lightning"):
                 continue

@@ -31,7 +31,7 @@ DOCUMENTED = {
     "strategy.EnvDDPStrategy.on_train_batch_start",
     "resume.AutoResume.on_train_batch_start",
     # The no-op that stands in for Lightning's per-step SIGTERM broadcast (which waits for every rank).
-    "_lightning.disable_sigterm_broadcast.<locals>.<lambda>",
+    "loops.disable_sigterm_broadcast.<locals>.<lambda>",
     # Once per epoch, not per step: the sampler's order for the new epoch, and what a checkpoint records of it.
     "samplers.ResumableDistributedSampler.__iter__",
     "samplers.ResumableSampler._pass",
@@ -53,7 +53,7 @@ DOCUMENTED_AMP = DOCUMENTED | {
     "precision.AmpPrecision.amp_backend",
     "precision.AmpPrecision.optimizer_step",
     # Lightning's before-step hooks and gradient clipping, between the closure and the step (through the fence).
-    "_lightning.after_closure",
+    "members.after_closure",
     "native_backend.NativeAmp.scales_loss",
     "native_backend.NativeAmp.backward",
     "native_backend.NativeAmp.convert_input",
@@ -69,8 +69,9 @@ SETUP_ONLY = {
     "sharding.shard_dataloader",
     "position.DataLayout.of",
     "position.LoaderPosition.attach",
-    "_lightning.rebuild_dataloader",
+    "members.rebuild_dataloader",
     "precision.AmpPrecision.amp_modules",
+    "amp_models.amp_modules",
 }
 
 

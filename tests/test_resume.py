@@ -28,7 +28,7 @@ from lightning_ddp_amp import CheckpointError, EnvDDPStrategy, StrategyConfigura
 from lightning_ddp_amp.launch.preemption import PREEMPTION
 from lightning_ddp_amp.trainer.position import check_resumed_positions, position_of
 from lightning_ddp_amp.trainer.resume import AtomicCheckpointIO, ResumePoint, checkpoint_dirs, newest_checkpoint
-from lightning_ddp_amp.trainer.sharding import shard_dataloader
+from lightning_ddp_amp.trainer.sharding import Sharding, shard_dataloader
 
 DATA = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1))
 
@@ -241,12 +241,8 @@ def training_loader(
     kwargs.setdefault("resuming", MID_EPOCH)
     sharded = shard_dataloader(
         loader,
-        stage=RunningStage.TRAINING,
-        num_replicas=world,
-        rank=rank,
-        seed=seed,
-        progress=lambda: progress,
-        **kwargs,
+        RunningStage.TRAINING,
+        Sharding(num_replicas=world, rank=rank, seed=seed, progress=lambda: progress, **kwargs),
     )
     assert isinstance(sharded, DataLoader)
     return sharded
@@ -268,7 +264,7 @@ def test_a_checkpoint_records_the_position_its_samples_their_order_and_the_data_
 def test_one_process_keeps_its_dataloader_and_records_its_layout_with_world_size_one() -> None:
     loader = DataLoader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True)
     same = shard_dataloader(
-        loader, stage=RunningStage.TRAINING, num_replicas=1, rank=0, seed=0, progress=lambda: (0, 3, 4)
+        loader, RunningStage.TRAINING, Sharding(num_replicas=1, rank=0, seed=0, progress=lambda: (0, 3, 4))
     )
     assert same is loader
     assert isinstance(loader.sampler, RandomSampler)
@@ -283,7 +279,9 @@ def test_one_process_leaves_a_dataloader_that_saves_its_own_position_alone() -> 
         def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     loader = OwnPosition(TensorDataset(torch.arange(16)), batch_size=4)
-    shard_dataloader(loader, stage=RunningStage.TRAINING, num_replicas=1, rank=0, seed=0, progress=lambda: (0, 3, 4))
+    shard_dataloader(
+        loader, RunningStage.TRAINING, Sharding(num_replicas=1, rank=0, seed=0, progress=lambda: (0, 3, 4))
+    )
     assert loader.state_dict() == {"own": True}
 
 
@@ -533,7 +531,7 @@ def test_a_resumed_batch_sampler_skips_the_samples_of_the_trained_batches() -> N
             batch_sampler=Pairs(RandomSampler(range(16)), batch_size=2, drop_last=False),
         )
         sharded = shard_dataloader(
-            loader, stage=RunningStage.TRAINING, num_replicas=2, rank=0, seed=0, progress=lambda: (1, 3, 4)
+            loader, RunningStage.TRAINING, Sharding(num_replicas=2, rank=0, seed=0, progress=lambda: (1, 3, 4))
         )
         assert isinstance(sharded, DataLoader) and sharded.batch_size is None
         return sharded

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import sys
 import types
 import zipfile
 from collections.abc import Iterator
@@ -16,11 +17,16 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed
 import torch.distributed.run
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from lightning_ddp_amp import StrategyConfigurationError
+from lightning_ddp_amp.ddp.launcher import StartMissingRanks
+from lightning_ddp_amp.ddp.reconciler import TopologyReconciler
 from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.environment import SELF_LAUNCH_VARIABLE
 from lightning_ddp_amp.launch.preemption import PREEMPTION, PREEMPTION_REPORT_VARIABLE
@@ -81,7 +87,7 @@ def test_pytest_is_never_run_again_on_every_rank(main: types.ModuleType, argv0: 
 def test_the_agent_of_a_self_launch_prints_only_what_it_does(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Up to the start of torchrun, this is what `python train.py` runs in the process that becomes the agent.
+    # Up to the start of torchrun at fit, this is what `python train.py` runs in the process that becomes the agent.
     monkeypatch.setattr(selflaunch, "script_command", lambda: ["train.py"])
     started: list[list[str]] = []
 
@@ -91,13 +97,33 @@ def test_the_agent_of_a_self_launch_prints_only_what_it_does(
 
     monkeypatch.setattr(selflaunch, "launch", launch)
     with caplog.at_level(logging.INFO), pytest.raises(SystemExit):
-        L.Trainer(strategy="envddp", accelerator="cpu", devices=2, precision="amp-O1", logger=False)
+        trainer = L.Trainer(strategy="envddp", accelerator="cpu", devices=2, precision="amp-O1", logger=False)
+        trainer.fit(BoringModel())
     assert started == [["--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py"]]
     said = [record.getMessage() for record in caplog.records]
     assert [line for line in said if line.startswith(("envddp", "AmpPrecision"))] == [
         "envddp: no launcher variables and 2 devices: starting the ranks as"
         " `torchrun --standalone --nproc-per-node=2 --max-restarts=0 train.py`"
     ]
+
+
+@pytest.mark.parametrize(
+    ("front", "fix"),
+    [("Trainer", "Leave the GPU to the LightningModule's hooks"), ("Fabric", "Call fabric.launch() before touching")],
+)
+def test_cuda_used_before_the_ranks_start_is_a_warning_with_the_fix_of_each_front_door(
+    monkeypatch: pytest.MonkeyPatch, front: str, fix: str
+) -> None:
+    monkeypatch.setattr(selflaunch, "plan", lambda nproc, max_restarts: ["train.py"])
+    monkeypatch.setattr(selflaunch, "launch", lambda arguments: sys.exit(0))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    reconciler = TopologyReconciler(front=front)
+    reconciler.requested = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    strategy = types.SimpleNamespace(accelerator=CUDAAccelerator(), max_restarts=0)
+    started = rf"^CUDA was used before the {front} started the ranks"
+    with pytest.warns(UserWarning, match=started) as warned, pytest.raises(SystemExit):
+        StartMissingRanks(reconciler, strategy).launch(lambda: None)
+    assert fix in str(warned[0].message)
 
 
 def test_a_rank_of_a_self_launch_does_not_launch_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -19,7 +20,9 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
@@ -33,7 +36,7 @@ from lightning_ddp_amp import (
 from lightning_ddp_amp.ddp.wrapper import DEVIATIONS
 from lightning_ddp_amp.fabric import EnvDDPStrategy as FabricEnvDDPStrategy
 from lightning_ddp_amp.launch import process_group, selflaunch
-from lightning_ddp_amp.launch.environment import Topology
+from lightning_ddp_amp.launch.topology import Topology
 
 TWO_RANKS = {
     "RANK": "1",
@@ -124,22 +127,73 @@ def test_devices_without_a_launcher_outside_a_script_says_how_to_launch() -> Non
     assert "`torchrun --nproc-per-node=N train.py`" in result.stderr
 
 
-def test_the_ranks_start_when_the_trainer_is_built_and_checking_the_flags_starts_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The torchrun arguments of each self-launch, which exits at once as the agent does once the ranks are done."""
     started: list[list[str]] = []
 
     def launch(arguments: list[str]) -> None:
         started.append(arguments)
-        raise SystemExit(0)  # the agent's exit once the ranks are done
+        raise SystemExit(0)
 
     monkeypatch.setattr(selflaunch, "plan", lambda nproc, max_restarts: [f"--nproc-per-node={nproc}", "train.py"])
     monkeypatch.setattr(selflaunch, "launch", launch)
+    return started
+
+
+def test_building_the_trainer_or_checking_its_flags_starts_nothing_and_fit_starts_the_ranks(
+    started: list[list[str]],
+) -> None:
     EnvDDPStrategy(accelerator=CPUAccelerator()).check_trainer_flags(devices=2, num_nodes=1)
     assert started == []
+    built = trainer(strategy="envddp", devices=2)
+    assert started == []
     with pytest.raises(SystemExit):
-        trainer(strategy="envddp", devices=2)
+        built.fit(BoringModel())
     assert started == [["--nproc-per-node=2", "train.py"]]
+
+
+@pytest.mark.parametrize("first", ["validate", "test", "predict"])
+def test_whichever_trainer_call_comes_first_starts_the_ranks(started: list[list[str]], first: str) -> None:
+    with pytest.raises(SystemExit):
+        getattr(trainer(strategy="envddp", devices=2), first)(BoringModel())
+    assert started == [["--nproc-per-node=2", "train.py"]]
+
+
+def test_the_agent_leaves_the_trainers_callbacks_and_loggers_to_the_ranks(
+    started: list[list[str]], tmp_path: Path
+) -> None:
+    # Lightning hands an exception in fit to them as a failed run; the agent's exit is none, and it trained nothing.
+    seen: list[str] = []
+
+    class Watches(L.Callback):
+        def on_exception(self, *args: Any) -> None:
+            seen.append("on_exception")
+
+    class Logs(CSVLogger):
+        def finalize(self, status: str) -> None:
+            seen.append(f"finalize {status}")
+
+    callbacks = [Watches(), OnExceptionCheckpoint(tmp_path)]
+    built = L.Trainer(strategy="envddp", accelerator="cpu", devices=2, callbacks=callbacks, logger=Logs(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        built.fit(BoringModel())
+    assert exited.value.code == 0
+    assert seen == []
+    assert list(tmp_path.glob("*.ckpt")) == []
+
+
+def test_ctrl_c_before_torchrun_takes_sigint_over_exits_130_as_a_shell_reports_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def interrupted(arguments: list[str]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selflaunch, "plan", lambda nproc, max_restarts: ["train.py"])
+    monkeypatch.setattr(selflaunch, "launch", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        trainer(strategy="envddp", devices=2).fit(BoringModel())
+    assert exited.value.code == 130  # Lightning's own handling of a KeyboardInterrupt in fit would exit 1
 
 
 def test_one_device_without_a_launcher_trains_alone() -> None:

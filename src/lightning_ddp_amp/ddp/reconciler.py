@@ -5,9 +5,10 @@ The Trainer hands a strategy its cluster environment (``plugins=[...]`` or its o
 ``use_distributed_sampler`` (:meth:`EnvDDPStrategy.check_trainer_flags
 <lightning_ddp_amp.EnvDDPStrategy.check_trainer_flags>`). The launcher has already decided the ranks, the nodes and
 the processes per node. :class:`TopologyReconciler` keeps what each side said, picks the device of every local
-rank, refuses a Trainer argument that contradicts the launcher, and starts the ranks no launcher started
-(:meth:`TopologyReconciler.start_missing_ranks`). ``EnvDDPStrategy`` keeps Lightning's interface (its
-``cluster_environment``, ``parallel_devices`` and ``num_nodes`` properties) and hands each to this module.
+rank, refuses a Trainer argument that contradicts the launcher, and counts the ranks no launcher started
+(:meth:`TopologyReconciler.missing_ranks`, which :mod:`lightning_ddp_amp.ddp.launcher` starts). ``EnvDDPStrategy``
+keeps Lightning's interface (its ``cluster_environment``, ``parallel_devices`` and ``num_nodes`` properties) and
+hands each to this module.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from lightning.fabric.accelerators.cuda import CUDAAccelerator as FabricCUDAAcce
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.errors import StrategyConfigurationError, TopologyMismatchError
-from lightning_ddp_amp.launch import selflaunch
 from lightning_ddp_amp.launch.cluster_environment import LauncherEnvironment, environment_topology, is_lightning_default
 from lightning_ddp_amp.launch.devices import select_devices
-from lightning_ddp_amp.launch.environment import Topology, read_topology, started_by
+from lightning_ddp_amp.launch.environment import read_topology, started_by
 from lightning_ddp_amp.launch.process_group import group_line, join_or_start, started_by_script
+from lightning_ddp_amp.launch.topology import Topology
 from lightning_ddp_amp.rank_zero import log_once
 
 
@@ -203,49 +204,18 @@ class TopologyReconciler:
         predicting = trainer.state.fn == TrainerFn.PREDICTING
         _lightning.set_sampler_injection(trainer, self.shard_dataloaders and predicting)
 
-    def start_missing_ranks(self, accelerator: Accelerator | None, max_restarts: int) -> None:
-        """No launcher started this process: start one rank per device through torchrun, or train alone.
+    def missing_ranks(self, accelerator: Accelerator | None) -> int:
+        """How many ranks this process starts itself (:mod:`lightning_ddp_amp.ddp.launcher`): one per device the
+        Trainer asks for when no launcher started this process, and more than one; else 0.
 
-        The ranks start when the Trainer is built rather than in a Lightning launcher when ``fit`` begins: this
-        process becomes torchrun's agent, which supervises and restarts the ranks and never trains (a Lightning
-        launcher runs ``fit`` in the calling process), and the script up to this point runs once more in the agent,
-        so the earlier the better. ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in
-        Lightning). Under a launcher it only logs who started the ranks.
-
-        Raises:
-            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
+        ``devices="auto"`` means every visible GPU on CUDA, one process on the CPU (as in Lightning).
         """
-        topology = self.topology
-        if topology.launcher != "none":
-            # Who started the ranks is said once, with the process group (setup_distributed).
-            if max_restarts:
-                log_once(
-                    f"EnvDDPStrategy(max_restarts={max_restarts}) only applies when envddp starts the ranks"
-                    f" itself; {topology.launcher} started them, so pass the restarts to it (`torchrun"
-                    " --max-restarts=N`).",
-                    warn=True,
-                )
-            return
+        if self.topology.launcher != "none":
+            return 0
         on_cuda = on_cuda_accelerator(accelerator)
         requested = self.requested
         count = len(requested) if requested is not None else torch.cuda.device_count() if on_cuda else 1
-        if count > 1:
-            arguments = selflaunch.plan(count, max_restarts)
-            if on_cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-                rank_zero_warn(
-                    f"CUDA was used before the {self.front} started the ranks: this process only supervises them now,"
-                    " but it keeps its CUDA context (and any tensors) on the GPU for the whole run. Start the ranks"
-                    " before touching the GPU."
-                )
-            command = " ".join(arguments)
-            rank_zero_info(
-                f"envddp: no launcher variables and {count} devices: starting the ranks as `torchrun {command}`"
-            )
-            selflaunch.launch(arguments)
-        log_once(
-            f"envddp: no launcher variables, so one process trains on {'cuda' if on_cuda else 'cpu'}"
-            f" ({self.front}(devices=N) starts N ranks; so do torchrun, srun and mpirun)"
-        )
+        return count if count > 1 else 0
 
 
 def join_process_group(
@@ -256,7 +226,7 @@ def join_process_group(
 
     Returns:
         Whether there is a group; False when this process trains alone (said once, unless no launcher started it:
-        then ``start_missing_ranks`` said it).
+        then the strategy's launcher said it).
     """
     how = join_or_start(topology, backend, backend_given, timeout, device)
     if how is None:

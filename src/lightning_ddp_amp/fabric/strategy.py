@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ddp_amp import _lightning
+from lightning_ddp_amp.ddp.launcher import StartMissingRanks
 from lightning_ddp_amp.ddp.reconciler import ReconciledTopology, TopologyReconciler, join_process_group
 from lightning_ddp_amp.ddp.wrapper import DDPOptions, check_precision_plugin, holds_gradients
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
@@ -138,19 +139,10 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
         check_precision_plugin(self.precision, self._ddp, None, None)
         self._reconciler.check(self.accelerator, devices, num_nodes, True, False)
 
-    def start_missing_ranks(self) -> None:
-        """No launcher started this process: start one rank per device through torchrun, or train alone
-        (:meth:`TopologyReconciler.start_missing_ranks <lightning_ddp_amp.ddp.reconciler.TopologyReconciler.start_missing_ranks>`);
-        ``fabric.launch()`` calls this.
-
-        Raises:
-            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
-        """
-        self._reconciler.start_missing_ranks(self.accelerator, self.max_restarts)
-
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = _StartMissingRanks(self)  # type: ignore[assignment]
+        # fabric.launch() starts the ranks no launcher started, as the Trainer's fit does.
+        self._launcher = StartMissingRanks(self._reconciler, self)  # type: ignore[assignment]
 
     @property
     @override
@@ -326,23 +318,6 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             description="envddp with `find_unused_parameters=True`",
             find_unused_parameters=True,
         )
-
-
-class _StartMissingRanks:
-    """What ``fabric.launch()`` runs under envddp: with no launcher and several devices, this process becomes
-    torchrun's agent for the ranks (:meth:`TopologyReconciler.start_missing_ranks`); otherwise the function runs here.
-
-    It has the interface of Fabric's (private) ``_Launcher`` without deriving from it.
-    """
-
-    is_interactive_compatible = True
-
-    def __init__(self, strategy: EnvDDPStrategy) -> None:
-        self._strategy = strategy
-
-    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        self._strategy.start_missing_ranks()
-        return function(*args, **kwargs)
 
 
 class _BackwardSync:

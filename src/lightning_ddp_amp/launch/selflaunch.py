@@ -3,10 +3,11 @@
 The ranks are started by torchrun itself (``torch.distributed.run.main``, the function behind the ``torchrun``
 command), re-running the script with the same arguments, so the run is the one
 ``torchrun --standalone --nproc-per-node=N train.py ...`` would make: same environment, same elastic agent, same
-``--max-restarts``. The process that was started with ``python`` becomes torchrun's agent: it supervises the ranks
-and, when they finish, exits with their status, so code after the Trainer runs in the ranks only, as under
-torchrun. Code before the Trainer has run once more, in that process: keep expensive set-up (downloads, CUDA
-work) after it, or in the LightningModule's hooks. This module imports nothing from Lightning.
+``--max-restarts``. The process that was started with ``python`` becomes torchrun's agent when ``fit`` begins
+(:mod:`lightning_ddp_amp.ddp.launcher`): it supervises the ranks and, when they finish, exits with their status, so
+code after ``fit`` runs in the ranks only, as under torchrun. Code before ``fit`` has run once more, in that
+process: keep expensive set-up (downloads, CUDA work) in the LightningModule's hooks. This module imports nothing
+from Lightning.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def launch(arguments: Sequence[str]) -> NoReturn:
     failed (128 + the signal number for a rank killed by a signal, as a shell reports it), after torchrun's summary
     of the failure; with 128 + the signal number when this process is signalled (torchrun has then stopped the
     ranks, which save a checkpoint on the way out with ``auto_resume``: the same one line names it); with 1 when
-    torchrun itself fails. It never returns, so no code after the Trainer runs in this process.
+    torchrun itself fails. It never returns, so no code after ``fit`` runs in this process.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-import lightning_ddp_amp._lightning as _lightning
+from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.errors import CheckpointError, StrategyConfigurationError
 from lightning_ddp_amp.launch.preemption import PREEMPTION
 
@@ -271,7 +271,8 @@ def _fsync_directory(directory: Path) -> None:
 
 
 class AutoResumeLauncher:
-    """Runs each ``trainer.fit`` from the newest checkpoint (a Lightning strategy launcher; starts no process).
+    """Runs each ``trainer.fit`` from the newest checkpoint, in each rank: the strategy's launcher
+    (:class:`~lightning_ddp_amp.ddp.launcher.StartMissingRanks`) hands it the function; it starts no process.
 
     A ``trainer.fit(ckpt_path=...)`` given by the user is left alone.
 

@@ -39,8 +39,9 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-import lightning_ddp_amp._lightning as _lightning
+from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.crossing import crossing_into
+from lightning_ddp_amp.ddp.launcher import StartMissingRanks, self_launch_arguments
 from lightning_ddp_amp.ddp.reconciler import (
     ReconciledTopology,
     TopologyReconciler,
@@ -80,7 +81,7 @@ from lightning_ddp_amp.trainer.resume import (
     record_world_size,
     unreadable_checkpoint,
 )
-from lightning_ddp_amp.trainer.sharding import shard_dataloader, warn_unshuffled_training_shards
+from lightning_ddp_amp.trainer.sharding import Sharding, shard_dataloader, warn_unshuffled_training_shards
 
 
 class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
@@ -89,9 +90,9 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     Launch with ``torchrun`` (or ``python -m torch.distributed.launch``, ``srun``, ``mpirun``) and pass
     ``Trainer(strategy="envddp")``; ``devices`` and ``num_nodes`` come from the launcher. Without launcher
     variables the same script trains as one process on the default device, with no process group, unless the
-    Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then the
-    strategy starts the N ranks itself through torchrun, re-running the script with the same arguments
-    (:mod:`lightning_ddp_amp.launch.selflaunch`). A process group the script started itself (a classic script's
+    Trainer asks for several devices (``devices=N``, or ``"auto"`` on a machine with several GPUs): then ``fit``
+    starts the N ranks through torchrun from the strategy's launcher, re-running the script with the same arguments
+    (:mod:`lightning_ddp_amp.ddp.launcher`). A process group the script started itself (a classic script's
     ``dist.init_process_group`` before the Trainer) is trained on once its rank, world size and backend are found to
     be the launcher's and envddp's; the script ends it, as it started it.
 
@@ -216,36 +217,25 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
 
         ``devices="auto"`` and ``num_nodes=1`` (the Trainer's defaults) mean "whatever the launcher started".
         On CUDA an explicit list of GPU indices maps local ranks to GPUs, as in Lightning's ``ddp``; so does
-        ``EnvDDPStrategy(parallel_devices=...)``. It starts nothing; :meth:`start_missing_ranks` does.
+        ``EnvDDPStrategy(parallel_devices=...)``. It starts nothing: the launcher does, when ``fit`` begins.
 
         Raises:
             TopologyMismatchError: an explicit value (or ``parallel_devices``) contradicts the launcher, or
                 ``devices`` contradicts ``parallel_devices``.
             StrategyConfigurationError: ``exact_eval`` with ``use_distributed_sampler=False``, ``sync_batchnorm=True``
-                on CPU ranks, or a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.wrapper.check_precision_plugin`).
+                on CPU ranks, a DDP option the precision plugin cannot train with (:func:`~lightning_ddp_amp.ddp.wrapper.check_precision_plugin`),
+                or ranks this process cannot start (:func:`~lightning_ddp_amp.ddp.launcher.self_launch_arguments`).
         """
         check_precision_plugin(self.precision_plugin, self._ddp, self._ddp_comm_hook, self._ddp_comm_wrapper)
         self._reconciler.check(self.accelerator, devices, num_nodes, use_distributed_sampler, self.exact_eval)
         ranks = max(self.topology.world_size, len(self._reconciler.requested or []))
         check_layer_sync(self._layer_sync, self.accelerator, ranks)
-
-    def start_missing_ranks(self) -> None:
-        """No launcher started this process: start one rank per device through torchrun, or train alone
-        (:meth:`TopologyReconciler.start_missing_ranks <lightning_ddp_amp.ddp.reconciler.TopologyReconciler.start_missing_ranks>`).
-
-        The hook around the Trainer's construction calls this right after :meth:`check_trainer_flags`.
-
-        Raises:
-            StrategyConfigurationError: This process cannot start ranks (see :func:`selflaunch.plan`).
-        """
-        self._reconciler.start_missing_ranks(self.accelerator, self.max_restarts)
+        self_launch_arguments(self._reconciler, self)  # refuses now the ranks this process could not start at fit
 
     @override
     def _configure_launcher(self) -> None:
-        # The processes already exist: a launcher started them, or start_missing_ranks did when the Trainer was
-        # built. What is left to a launcher is auto_resume's choice of checkpoint. AutoResumeLauncher has the
-        # interface of Lightning's (private) _Launcher without deriving from it.
-        self._launcher = self._resume.launcher()  # type: ignore[assignment]
+        # fit hands the launcher its function, as it hands Lightning's; each rank runs it from auto_resume's checkpoint.
+        self._launcher = StartMissingRanks(self._reconciler, self, then=self._resume.launcher())  # type: ignore[assignment]
 
     @override
     def setup_distributed(self) -> None:
@@ -294,15 +284,13 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             return
         # 6. DDP wraps last, around whatever the precision plugin returned.
         self.configure_ddp()
-        # 7. Every rank holds rank 0's weights now: apex O2 takes them into its fp32 masters, as at the recipe's
-        #    first backward.
+        # 7. Every rank holds rank 0's weights: apex O2 takes them into its fp32 masters (the recipe's first backward).
         if isinstance(self.precision_plugin, AmpPrecision):
             self.precision_plugin.models_wrapped()
 
     @property
     def ddp_options(self) -> dict[str, Any]:
-        """What ``DistributedDataParallel`` receives: the options changed from torch's defaults, with envddp's own
-        defaults (:data:`~lightning_ddp_amp.ddp.wrapper.DEVIATIONS`) decided against the precision plugin."""
+        """What DDP gets: the options changed from torch's defaults, and envddp's (``DEVIATIONS``) for its plugin."""
         return self._ddp.to_kwargs(holds_gradients(self.precision_plugin))
 
     @override
@@ -338,9 +326,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        return shard_dataloader(
-            dataloader,
-            stage=trainer.state.stage,
+        sharding = Sharding(
             num_replicas=self.topology.world_size,
             rank=self.topology.rank,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
@@ -350,6 +336,7 @@ class EnvDDPStrategy(ReconciledTopology, DDPStrategy):
             progress=lambda: (trainer.current_epoch, *_lightning.epoch_progress(trainer)),
             resuming=self._resuming,
         )
+        return shard_dataloader(dataloader, trainer.state.stage, sharding)
 
     @override
     def on_train_start(self) -> None:
