@@ -49,26 +49,36 @@ def modules(source: Path = SOURCE) -> dict[str, Path]:
     return found
 
 
-def imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in it (``from package import module`` counts as the module)."""
+def imports(path: Path, submodules: frozenset[str] = frozenset()) -> set[str]:
+    """Every module ``path`` imports, anywhere in it.
+
+    ``from package import module`` counts as the module; the package counts too unless every name it imports is one
+    of ``submodules`` (dotted, absolute): ``from lightning_ddp_amp.commands.compare import patching`` imports only
+    ``patching``, ``from lightning_ddp_amp import _lightning, AmpPrecision`` imports the package and ``_lightning``.
+    """
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+            names = {f"{node.module}.{alias.name}" for alias in node.names}
+            found |= names if names <= submodules else names | {node.module}
     return found
 
 
 def copied_modules(source: Path = SOURCE) -> frozenset[str]:
     """The modules that import Lightning, directly or through one another ("trainer.strategy")."""
-    imported = {name: imports(path) for name, path in modules(source).items() if name not in NEVER | {"__init__"}}
+    every = modules(source)
+    packages = {".".join(path.parent.relative_to(source).parts) for path in source.rglob("__init__.py")} - {""}
+    submodules = frozenset(f"{PACKAGE}.{name}" for name in set(every) | packages)
+    imported = {name: imports(path, submodules) for name, path in every.items() if name not in NEVER | {"__init__"}}
     found = {name for name, names in imported.items() if any(m.split(".")[0] == "lightning" for m in names)}
+    # A package whose module is copied is the flavour's too (``from lightning_ddp_amp import _lightning``).
     while more := {
         name
         for name, names in imported.items()
-        if name not in found and any(m.removeprefix(PACKAGE + ".") in found for m in names)
+        if name not in found
+        and any(m.removeprefix(PACKAGE + ".") in found | copied_packages(frozenset(found)) for m in names)
     }:
         found |= more
     return frozenset(found)

@@ -182,6 +182,23 @@ MUTATIONS = (
         ("tests/test_resume.py::test_a_sigterm_during_training_saves_a_checkpoint_and_exits_128_plus_the_signal",),
     ),
     Mutation(
+        "agent-exit-is-a-failed-fit",
+        "the agent of a self-launch leaves fit with the Trainer's callbacks and loggers attached, which Lightning hands"
+        " its exit as a failed run: OnExceptionCheckpoint saves the untrained model beside the ranks' checkpoints",
+        "ddp/launcher.py",
+        "            trainer.callbacks = []\n            trainer.loggers = []\n",
+        "            pass\n",
+        ("tests/test_strategy.py::test_the_agent_leaves_the_trainers_callbacks_and_loggers_to_the_ranks",),
+    ),
+    Mutation(
+        "agent-checks-the-precision-plugin",
+        "the process that will start the ranks checks the precision plugin too, and says its choice before rank 0 does",
+        "_lightning/connectors.py",
+        "        if isinstance(plugin, precision_class) and not supervises:\n",
+        "        if isinstance(plugin, precision_class):\n",
+        ("tests/test_selflaunch.py::test_the_agent_of_a_self_launch_prints_only_what_it_does",),
+    ),
+    Mutation(
         "selflaunch-signal-status",
         "a self-launch whose rank was killed by a signal exits with torchrun's negative code (-9: 247), not 137",
         "launch/selflaunch.py",
@@ -201,7 +218,7 @@ MUTATIONS = (
     Mutation(
         "compare-loss-tolerance-flipped",
         "the final loss is apart when it is within the tolerance, and close beyond it",
-        "commands/compare/report.py",
+        "commands/compare/verdict.py",
         "    if final is None or not math.isfinite(final) or final > tolerance.loss:\n",
         "    if final is None or not math.isfinite(final) or final < tolerance.loss:\n",
         ("tests/test_compare.py::test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both",),
@@ -217,7 +234,7 @@ MUTATIONS = (
     Mutation(
         "compare-batch-hash-unchecked",
         "runs whose first training batch differs are compared anyway (the report reads a key the record lacks)",
-        "commands/compare/report.py",
+        "commands/compare/comparable.py",
         '            if ours["batch_hash"] != theirs["batch_hash"]:\n',
         '            if ours.get("batch") != theirs.get("batch"):\n',
         ("tests/test_compare.py::test_runs_that_did_not_start_alike_are_not_compared_and_the_problem_names_the_fix",),
@@ -225,17 +242,17 @@ MUTATIONS = (
     Mutation(
         "recording-empty-batch-hash",
         "the recording writes the hash of nothing as the first batch's, so every run seems to start alike",
-        "commands/compare/recording.py",
-        "    return _hash_tensors(dict(enumerate(_tensors(batch))))\n",
-        "    return _hash_tensors({})\n",
+        "commands/compare/tensors.py",
+        "    return hash_tensors(dict(enumerate(_tensors(batch))))\n",
+        "    return hash_tensors({})\n",
         ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_first_batch_its_run_trained",),
     ),
     Mutation(
         "recording-empty-weights-hash",
         "the recording writes the hash of nothing as the starting weights', so unseeded runs seem to start alike",
         "commands/compare/recording.py",
-        "                self.weights_hash = _hash_tensors(state)\n",
-        "                self.weights_hash = _hash_tensors({})\n",
+        "                self.weights_hash = hash_tensors(state)\n",
+        "                self.weights_hash = hash_tensors({})\n",
         ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_weights_its_run_started_from",),
     ),
     # --- reduce: what sync_dist logging gets back -------------------------------------------------------------
@@ -260,8 +277,8 @@ MUTATIONS = (
         "local-rank-from-rank",
         "LOCAL_RANK is read from RANK: on the second node every rank is out of range or on the wrong GPU",
         "launch/environment.py",
-        '    local_rank = _read_int(env, "LOCAL_RANK", minimum=0, below=below)\n',
-        '    local_rank = _read_int(env, "RANK", minimum=0, below=below)\n',
+        '    local_rank = read_int(env, "LOCAL_RANK", minimum=0, below=below)\n',
+        '    local_rank = read_int(env, "RANK", minimum=0, below=below)\n',
         ("tests/test_environment.py::test_second_node_of_a_two_node_torchrun_job",),
     ),
     Mutation(
@@ -319,7 +336,7 @@ MUTATIONS = (
     Mutation(
         "classic-step-not-carried",
         "the converted checkpoint continues at the right epoch but counts its optimizer steps from 0",
-        "_lightning.py",
+        "_lightning/loops.py",
         '    optimizer["step"]["total"].update(ready=global_step, completed=global_step)\n',
         "",
         ("tests/test_migrate.py", "-k", "carried"),
@@ -345,14 +362,14 @@ MUTATIONS = (
         "noise-floor-not-perturbed",
         "the noise-floor run repeats the baseline bit for bit: a floor of 0 that says nothing",
         "commands/compare/recording.py",
-        "                if self.plan.perturb:\n                    _one_ulp_up(pl_module)\n",
+        "                if self.plan.perturb:\n                    one_ulp_up(pl_module)\n",
         "",
         ("tests/test_compare.py", "-k", "noise_floor_run"),
     ),
     Mutation(
         "metrics-from-training-too",
         "a validation run's record also holds what training logged",
-        "_lightning.py",
+        "_lightning/loops.py",
         '    values = results.metrics(on_step=False)["callback"]\n',
         "    values = trainer.callback_metrics\n",
         ("tests/test_lightning_internals.py", "-k", "evaluation_metrics"),
@@ -468,6 +485,23 @@ MUTATIONS = (
             "-k",
             "envddp_ends_in_the_references_state and apex_o2 or every_parameter_on_every_rank and 2-ranks-O2",
         ),
+    ),
+    # --- the AMP options, declared once ------------------------------------------------------------------------------
+    Mutation(
+        "carried-options-lose-the-loss-scale",
+        "compare carries a script's AmpPrecision to another level without its loss scale",
+        "amp/settings.py",
+        'for f in fields if f.name != "opt_level"}',
+        'for f in fields if f.name not in ("opt_level", "loss_scale")}',
+        ("tests/test_settings.py::test_settings_run_again_at_another_level_with_every_option_as_given",),
+    ),
+    Mutation(
+        "misspelt-option-passes",
+        "a misspelt AmpPrecision option reaches the dataclass, which fails with Python's TypeError naming no option",
+        "amp/settings.py",
+        "        if name not in names:\n",
+        "        if False:\n",
+        ("tests/test_settings.py", "-k", "misspelt"),
     ),
     # --- the first hour: what a new user meets -----------------------------------------------------------------
     Mutation(

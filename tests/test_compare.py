@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 import lightning_ddp_amp
 from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfigurationError
-from lightning_ddp_amp.commands import compare
+from lightning_ddp_amp.commands.compare import command as compare
 from lightning_ddp_amp.commands.compare import patching as compare_patching
 from lightning_ddp_amp.commands.compare import picture as compare_picture
 from lightning_ddp_amp.commands.compare import recording as compare_recording
@@ -42,7 +42,8 @@ from lightning_ddp_amp.commands.compare import report as compare_report
 from lightning_ddp_amp.commands.compare import schema as compare_schema
 from lightning_ddp_amp.commands.compare import summary as compare_summary
 from lightning_ddp_amp.commands.compare import terminal
-from lightning_ddp_amp.commands.compare.report import Candidate
+from lightning_ddp_amp.commands.compare import verdict as compare_verdict
+from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
 from lightning_ddp_amp.commands.compare.tolerance import Metric, Tolerance
 
@@ -557,7 +558,7 @@ def test_the_report_sets_each_metrics_last_value_beside_the_baselines_and_metric
 def test_a_metric_tolerance_ending_in_percent_is_relative_and_a_number_absolute(tolerance: str) -> None:
     # --metric val_acc:1% is 1% of the baseline's value; val_acc:0.01 the same here, against a baseline of 1.0: half a
     # percent off is close, one and a half apart.
-    metric = compare_report.Metric.parse(f"val_acc:{tolerance}")
+    metric = Metric.parse(f"val_acc:{tolerance}")
     assert metric.name == "val_acc" and metric.tolerance_text() == tolerance
     assert metric.within(1.005, 1.0) and metric.within(0.995, 1.0)
     assert not metric.within(1.015, 1.0) and not metric.within(0.985, 1.0)
@@ -693,7 +694,7 @@ def test_the_noise_floor_run_is_the_baseline_one_ulp_off_reported_beside_every_d
     assert 0 < floor["weight_distance"] < 1e-4  # one ulp moves it, and by almost nothing
     start = torch.load(Path(candidate(report, "32-true")["directory"]) / "weights-start.pt")
     assert start  # the baseline's; the noise run started from it (comparable) and moved every weight one ulp
-    percent = compare_report.percent(floor["weight_distance"])
+    percent = compare_verdict.percent(floor["weight_distance"])
     said = " ".join(output.split())  # the report wraps its lines at 100 columns
     assert (
         f"noise floor (32-true~noise: the baseline again, every initial weight one ulp up): weights {percent}" in said
@@ -1144,7 +1145,7 @@ def test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both(
     final: float | None, distance: float, status: str
 ) -> None:
     summary = {"final_loss_relative_difference": final, "weight_distance": distance}
-    assert compare_report._verdict(summary, Tolerance(loss=0.02, weights=0.05))[0] == status
+    assert compare_verdict.verdict(summary, Tolerance(loss=0.02, weights=0.05))[0] == status
 
 
 def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
@@ -1260,6 +1261,21 @@ def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callab
     assert "turned off Remote: it cannot write into the candidate's folder" in changes.describe("c")
 
 
+def test_a_csv_logger_whose_constructor_takes_other_arguments_is_turned_off(tmp_path: Path) -> None:
+    class RunLogger(pl.loggers.CSVLogger):
+        def __init__(self, run: str) -> None:
+            super().__init__("script_logs", name=run)
+
+    given: dict[str, Any] = {"logger": RunLogger("mine")}
+    changes = compare_recording.Changes()
+    plan = Plan("c", "32-true", 5, str(tmp_path))
+    defaults = compare_patching._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
+    compare_patching._replace_arguments(given, defaults, plan, changes, pl)
+    [turned_off] = given["logger"]
+    assert changes.turned_off == ["RunLogger"]
+    assert turned_off.save_dir == str(tmp_path / "logs")
+
+
 def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     class MyTrainer(pl.Trainer):
         pass
@@ -1279,7 +1295,7 @@ def test_a_script_amp_precision_a_level_refuses_keeps_only_models_and_num_losses
     changes = compare_recording.Changes()
     configured = AmpPrecision(opt_level="O2", backend="native", keep_batchnorm_fp32=True, num_losses=2)
     built = compare_patching._amp_plugin(pl, "O1", "native", configured, changes)
-    assert (built.opt_level, built.num_losses, built.keep_batchnorm_fp32) == ("O1", 2, None)
+    assert (built.opt_level, built.settings.num_losses, built.settings.keep_batchnorm_fp32) == ("O1", 2, None)
     assert changes.replaced[0].startswith("kept only models and num_losses of the script's AmpPrecision (")
 
 

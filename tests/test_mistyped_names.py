@@ -19,7 +19,7 @@ from lightning_ddp_amp import (
     StrategyConfigurationError,
     _lightning,
 )
-from lightning_ddp_amp.commands import compare
+from lightning_ddp_amp.commands.compare import command as compare
 from lightning_ddp_amp.errors import nearest
 from lightning_ddp_amp.precision_strings import nearest_precision
 from lightning_ddp_amp.trainer.cli import LightningCLI

@@ -40,7 +40,8 @@ from typing import IO, TextIO
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.commands.compare import report as compare_report
 from lightning_ddp_amp.commands.compare import terminal
-from lightning_ddp_amp.commands.compare.report import Candidate
+from lightning_ddp_amp.commands.compare.candidate import Candidate
+from lightning_ddp_amp.commands.compare.comparable import stop_after_baseline
 from lightning_ddp_amp.commands.compare.run_folder import OUTPUT_FILES, PLAN_FILE, PLAN_VARIABLE, Plan
 from lightning_ddp_amp.commands.compare.schema import BASELINE, CANDIDATE, NOISE_FLOOR, Role
 from lightning_ddp_amp.commands.compare.tolerance import Metric, Tolerance
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             snapshots, str(candidates[0].directory), perturb=candidate.role == NOISE_FLOOR,
         )  # fmt: skip
         candidate.returncode = _run(candidate, plan)
-        stop = compare_report.stop_after_baseline(candidate, args.metric) if index == 0 else None
+        stop = stop_after_baseline(candidate, args.metric) if index == 0 else None
         if stop is not None:
             print(f"compare: {stop}: no other run is started", flush=True)
             candidates = candidates[:1]
