@@ -39,9 +39,9 @@ from lightning_ddp_amp.commands.compare import patching as compare_patching
 from lightning_ddp_amp.commands.compare import picture as compare_picture
 from lightning_ddp_amp.commands.compare import recording as compare_recording
 from lightning_ddp_amp.commands.compare import report as compare_report
+from lightning_ddp_amp.commands.compare import run_precision, terminal
 from lightning_ddp_amp.commands.compare import schema as compare_schema
 from lightning_ddp_amp.commands.compare import summary as compare_summary
-from lightning_ddp_amp.commands.compare import terminal
 from lightning_ddp_amp.commands.compare import verdict as compare_verdict
 from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
@@ -1294,7 +1294,7 @@ def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monke
 def test_a_script_amp_precision_a_level_refuses_keeps_only_models_and_num_losses() -> None:
     changes = compare_recording.Changes()
     configured = AmpPrecision(opt_level="O2", backend="native", keep_batchnorm_fp32=True, num_losses=2)
-    built = compare_patching._amp_plugin(pl, "O1", "native", configured, changes)
+    built = run_precision._amp_plugin(compare_patching.trainer_door(pl), "O1", "native", configured, changes)
     assert (built.opt_level, built.settings.num_losses, built.settings.keep_batchnorm_fp32) == ("O1", 2, None)
     assert changes.replaced[0].startswith("kept only models and num_losses of the script's AmpPrecision (")
 
@@ -1311,7 +1311,9 @@ def test_an_error_other_than_a_precision_setting_refused_is_not_retried(monkeypa
     monkeypatch.setattr(lightning_ddp_amp, "AmpPrecision", Broken)
     configured = AmpPrecision(opt_level="O1", backend="native")
     with pytest.raises(RuntimeError, match="broken"):
-        compare_patching._amp_plugin(pl, "O2", "native", configured, compare_recording.Changes())
+        run_precision._amp_plugin(
+            compare_patching.trainer_door(pl), "O2", "native", configured, compare_recording.Changes()
+        )
 
 
 class RestoresAfterSetup(SingleDeviceStrategy):

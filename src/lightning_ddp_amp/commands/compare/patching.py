@@ -32,16 +32,25 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_ddp_amp.commands.compare import fabric_patching
 from lightning_ddp_amp.commands.compare.recording import Changes, Recording
 from lightning_ddp_amp.commands.compare.run_folder import Plan
-from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
-from lightning_ddp_amp.precision_strings import FLAG_BACKENDS, PRECISION_FLAG
+from lightning_ddp_amp.commands.compare.run_precision import Door, replace_precision
+from lightning_ddp_amp.errors import StrategyConfigurationError
 
 _MARK = "__lightning_ddp_amp_compare__"
 
 
+def trainer_door(pl: Any) -> Door:
+    """The Trainer of ``pl`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    return Door(
+        "Trainer", pl.plugins.precision.Precision, lambda: _amp_precision(pl), lambda plugin: {"models": plugin.models}
+    )
+
+
 def patch(namespace: str, plan_file: str) -> None:
-    """Patch ``Trainer.__init__`` and ``Trainer.fit`` of ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``).
+    """Patch ``Trainer.__init__`` and ``Trainer.fit`` of ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``),
+    and the Fabric that comes with it (:mod:`~lightning_ddp_amp.commands.compare.fabric_patching`).
 
     Importing :mod:`lightning_ddp_amp` first registers ``"envddp"`` and the ``"apex-O*"`` / ``"amp-O*"`` values, so
     a script that never imports the package can be compared under them. Idempotent.
@@ -50,10 +59,12 @@ def patch(namespace: str, plan_file: str) -> None:
 
     module = sys.modules[namespace]
     pl: Any = module.pytorch if namespace == "lightning" else module  # lightning.pytorch, or pytorch_lightning
+    plan = Plan.read(plan_file)
+    # lightning.fabric, or the standalone lightning_fabric that pytorch_lightning imports first.
+    fabric_patching.patch_fabric(module.fabric if namespace == "lightning" else sys.modules["lightning_fabric"], plan)
     trainer_class = pl.Trainer
     if getattr(trainer_class.__init__, _MARK, False):
         return
-    plan = Plan.read(plan_file)
     recording_class = type("CompareRecording", (Recording, pl.Callback), {})
     init, fit = trainer_class.__init__, trainer_class.fit
     init_signature, fit_signature = inspect.signature(init), inspect.signature(fit)
@@ -126,7 +137,7 @@ def _replace_arguments(
     def value(name: str) -> Any:
         return given[name] if name in given else defaults[name]
 
-    _replace_precision(given, value("precision"), _as_list(value("plugins")), plan.precision, changes, pl)
+    replace_precision(given, value("precision"), _as_list(value("plugins")), plan.precision, changes, trainer_door(pl))
     max_steps, last = value("max_steps"), plan.first_step + plan.steps
     if max_steps is None or max_steps < 0 or max_steps > last:
         changes.replaced.append(f"max_steps={max_steps!r} -> {last}")
@@ -137,29 +148,6 @@ def _replace_arguments(
     if logger not in (None, True, False):
         logs = os.path.join(plan.directory, "logs")
         given["logger"] = [_redirected(each, logs, changes, pl) for each in _as_list(logger)]
-
-
-def _replace_precision(
-    given: dict[str, Any], precision: Any, plugins: list[Any], candidate: str, changes: Changes, pl: Any
-) -> None:
-    """Give the Trainer the ``candidate`` precision instead of the script's ``precision`` and precision plugins: a
-    string of Lightning's as it is, one of ours as AmpPrecision, which carries the settings of the script's own."""
-    if precision != candidate:  # the script's own precision is no change to list
-        changes.replaced.append(f"precision={precision!r} -> {candidate!r}")
-    removed = [plugin for plugin in plugins if isinstance(plugin, pl.plugins.precision.Precision)]
-    if removed:
-        plugins = [plugin for plugin in plugins if plugin not in removed]
-        changes.replaced.append(f"removed the precision plugin {', '.join(type(p).__name__ for p in removed)}")
-    level = PRECISION_FLAG.match(candidate)
-    if level is None:
-        given["precision"] = candidate
-    else:
-        family, opt_level = level.groups()
-        configured = next((plugin for plugin in removed if hasattr(plugin, "amp_backend")), None)
-        given["precision"] = None
-        plugins.append(_amp_plugin(pl, opt_level, FLAG_BACKENDS[family], configured, changes))
-    if removed or level is not None:
-        given["plugins"] = plugins
 
 
 def _redirected(logger: Any, logs: str, changes: Changes, pl: Any) -> Any:
@@ -184,24 +172,6 @@ def _rebuilt(logger: Any, logs: str, pl: Any) -> Any | None:
         return type(logger)(save_dir=logs, name=logger.name)
     except TypeError:
         return None
-
-
-def _amp_plugin(pl: Any, opt_level: str, backend: str, configured: Any, changes: Changes) -> Any:
-    """AmpPrecision at ``opt_level`` on ``backend``, with the models and the AMP options of the script's own
-    AmpPrecision (``configured``), if any."""
-    amp_precision = _amp_precision(pl)
-    if configured is None:
-        return amp_precision(opt_level=opt_level, backend=backend)
-    options = configured.settings.options()
-    try:
-        built = amp_precision(opt_level=opt_level, backend=backend, models=configured.models, **options)
-    except PrecisionConfigurationError as error:  # an option this level refuses (keep_batchnorm_fp32 under O1, ...)
-        kept = {"models": configured.models, "num_losses": options["num_losses"]}
-        built = amp_precision(opt_level=opt_level, backend=backend, **kept)
-        changes.replaced.append(f"kept only models and num_losses of the script's AmpPrecision ({error})")
-    else:
-        changes.replaced.append("kept the script's AmpPrecision settings (models, num_losses, loss scale, ...)")
-    return built
 
 
 def _amp_precision(pl: Any) -> Any:

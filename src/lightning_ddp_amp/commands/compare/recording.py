@@ -58,13 +58,14 @@ from lightning_ddp_amp.commands.compare.tensors import fp32, hash_batch, hash_te
 
 @dataclasses.dataclass
 class Changes:
-    """What the patched Trainer changed, as rank 0 says it and the report lists it."""
+    """What the patched Trainer or Fabric changed, as rank 0 says it and the report lists it."""
 
     replaced: list[str] = dataclasses.field(default_factory=list)
     turned_off: list[str] = dataclasses.field(default_factory=list)
+    door: str = "Trainer"
 
     def describe(self, candidate: str) -> str:
-        lines = [f"lightning-ddp-amp compare [{candidate}]: this run's Trainer was changed:"]
+        lines = [f"lightning-ddp-amp compare [{candidate}]: this run's {self.door} was changed:"]
         lines += [f"  {line}" for line in self.replaced]
         lines += [f"  turned off {name}: it cannot write into the candidate's folder" for name in self.turned_off]
         return "\n".join(lines)

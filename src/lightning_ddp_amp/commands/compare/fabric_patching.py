@@ -1,0 +1,91 @@
+"""Inside each run of ``lightning-ddp-amp compare``: the Fabric a kept loop builds, changed by the run's plan.
+
+The Fabric door's side of :mod:`~lightning_ddp_amp.commands.compare.patching`, which calls :func:`patch_fabric` with
+the Fabric of the namespace the script imported (``lightning.fabric``, or the standalone ``lightning_fabric`` that
+``pytorch_lightning`` imports). From then on every ``Fabric(...)`` of the script is built with these changes:
+
+* ``precision`` becomes the candidate's and any precision plugin in ``plugins`` is removed, as on the Trainer
+  (:func:`~lightning_ddp_amp.commands.compare.run_precision.replace_precision`): one of ours becomes Fabric's
+  AmpPrecision, carrying the settings of the script's own AmpPrecision;
+* ``LT_PRECISION``, which ``fabric run`` sets and Fabric takes over its ``precision`` argument, is removed from the
+  environment.
+
+The changes are kept for the run's record (:func:`changes_of`). docs/design/compare-fabric.md says what
+is patched next: setup, backward, the optimizers' steps and ``fabric.log``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import weakref
+from typing import Any
+
+from lightning_ddp_amp.commands.compare.recording import Changes
+from lightning_ddp_amp.commands.compare.run_folder import Plan
+from lightning_ddp_amp.commands.compare.run_precision import Door, replace_precision
+
+_MARK = "__lightning_ddp_amp_compare__"
+#: What each Fabric built in this process had changed, for its recording.
+_CHANGES: weakref.WeakKeyDictionary[Any, Changes] = weakref.WeakKeyDictionary()
+#: What ``fabric run`` passes its ``--precision`` in; Fabric's connector prefers it to ``Fabric(precision=...)``.
+PRECISION_VARIABLE = "LT_PRECISION"
+
+
+def fabric_door(fabric_namespace: Any) -> Door:
+    """Fabric of ``fabric_namespace`` (``lightning.fabric`` or ``lightning_fabric``)."""
+    standalone = fabric_namespace.__name__ == "lightning_fabric"
+    flavour = "lightning_ddp_amp.pytorch_lightning" if standalone else "lightning_ddp_amp"
+    return Door(
+        "Fabric",
+        fabric_namespace.plugins.Precision,
+        lambda: importlib.import_module(f"{flavour}.fabric").AmpPrecision,
+        lambda plugin: {},
+    )
+
+
+def patch_fabric(fabric_namespace: Any, plan: Plan) -> None:
+    """Patch ``Fabric.__init__`` of ``fabric_namespace`` as the module docstring lists. Idempotent."""
+    fabric_class = fabric_namespace.Fabric
+    if getattr(fabric_class.__init__, _MARK, False):
+        return
+    door = fabric_door(fabric_namespace)
+    init = fabric_class.__init__
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = signature.bind(self, *args, **kwargs).arguments
+        changes = Changes(door=door.name)
+        replace_fabric_precision(given, plan, changes, door)
+        init(given.pop("self"), **given)
+        _CHANGES[self] = changes
+
+    setattr(__init__, _MARK, True)
+    fabric_class.__init__ = __init__
+
+
+def changes_of(fabric: Any) -> Changes:
+    """What the patch changed of ``fabric``'s arguments."""
+    return _CHANGES[fabric]
+
+
+def replace_fabric_precision(given: dict[str, Any], plan: Plan, changes: Changes, door: Door) -> None:
+    """Give Fabric the plan's precision in place of the script's, which ``LT_PRECISION`` overrides as Fabric reads it.
+
+    Args:
+        given: The arguments the script passed to ``Fabric(...)``, by name; changed in place.
+        plan: This run's plan.
+        changes: Where the changes are listed.
+        door: Fabric's classes (:func:`fabric_door`).
+    """
+    precision = given.get("precision")
+    from_environment = os.environ.pop(PRECISION_VARIABLE, None)
+    if from_environment is not None:
+        changes.replaced.append(f"removed {PRECISION_VARIABLE}={from_environment!r}, which Fabric takes over precision")
+        precision = from_environment
+    plugins = given.get("plugins")
+    listed = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    replace_precision(given, precision, listed, plan.precision, changes, door)
