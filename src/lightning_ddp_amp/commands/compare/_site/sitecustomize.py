@@ -27,7 +27,7 @@ _NAMESPACES = ("lightning", "pytorch_lightning")
 class _AfterLightning(importlib.abc.MetaPathFinder):
     """Wraps the loader of ``lightning`` / ``pytorch_lightning`` so that their Trainer is patched once imported.
 
-    The same shape as ``_namespaces._AfterImport``, written again: this file runs before the package may be imported
+    The same shape as ``_standalone._AfterImport``, written again: this file runs before the package may be imported
     (importing it imports Lightning), so it can import nothing of the package's.
     """
 
