@@ -37,7 +37,7 @@ from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, StrategyConfiguratio
 from lightning_ddp_amp.commands.compare import command as compare
 from lightning_ddp_amp.commands.compare import patching as compare_patching
 from lightning_ddp_amp.commands.compare import picture as compare_picture
-from lightning_ddp_amp.commands.compare import recording as compare_recording
+from lightning_ddp_amp.commands.compare import recorder as compare_recorder
 from lightning_ddp_amp.commands.compare import report as compare_report
 from lightning_ddp_amp.commands.compare import run_precision, terminal
 from lightning_ddp_amp.commands.compare import schema as compare_schema
@@ -282,7 +282,7 @@ def test_the_precision_is_listed_as_a_change_only_where_the_run_changes_it(
     script_precision: str, listed: list[str], tmp_path: Path
 ) -> None:
     defaults = compare_patching._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
-    changes = compare_recording.Changes()
+    changes = compare_recorder.Changes()
     plan = Plan("bf16-mixed", "bf16-mixed", STEPS, str(tmp_path))
     compare_patching._replace_arguments({"precision": script_precision}, defaults, plan, changes, pl)
     said = [change.removeprefix("precision=") for change in changes.replaced if change.startswith("precision=")]
@@ -1154,9 +1154,9 @@ def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(
     runs = recorded_copies(learning_rates, tmp_path)
     (runs[1].directory / "record.json").unlink()
     report = compare_report.build(runs, Tolerance(), steps=STEPS, argv=[])
-    assert candidate(report, "other")["reason"] == (
-        "the command finished without a record: it never completed a Trainer.fit of lightning or pytorch_lightning,"
-        " or its Python ignored PYTHONPATH (python -E or -I)"
+    assert candidate(report, "other")["reason"] == (  # the run's folder holds the marker of the Trainer it built
+        "command='python t.py': the script built a Trainer but never completed a Trainer.fit, so compare recorded no"
+        " step. Fix: call trainer.fit(...) in the script; compare records the steps of its first fit"
     )
 
 
@@ -1249,7 +1249,7 @@ def test_a_logger_that_cannot_be_redirected_is_turned_off_named_and_still_callab
             raise AssertionError("the remote logger was called")
 
     given: dict[str, Any] = {"logger": [pl.loggers.CSVLogger("script_logs", name="mine"), Remote()]}
-    changes = compare_recording.Changes()
+    changes = compare_recorder.Changes()
     plan = Plan("c", "32-true", 5, str(tmp_path))
     defaults = compare_patching._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
     compare_patching._replace_arguments(given, defaults, plan, changes, pl)
@@ -1267,7 +1267,7 @@ def test_a_csv_logger_whose_constructor_takes_other_arguments_is_turned_off(tmp_
             super().__init__("script_logs", name=run)
 
     given: dict[str, Any] = {"logger": RunLogger("mine")}
-    changes = compare_recording.Changes()
+    changes = compare_recorder.Changes()
     plan = Plan("c", "32-true", 5, str(tmp_path))
     defaults = compare_patching._trainer_defaults(pl.Trainer, inspect.signature(pl.Trainer.__init__), pl)
     compare_patching._replace_arguments(given, defaults, plan, changes, pl)
@@ -1292,7 +1292,7 @@ def test_argument_defaults_come_from_the_environment_as_lightning_reads_it(monke
 
 
 def test_a_script_amp_precision_a_level_refuses_keeps_only_models_and_num_losses() -> None:
-    changes = compare_recording.Changes()
+    changes = compare_recorder.Changes()
     configured = AmpPrecision(opt_level="O2", backend="native", keep_batchnorm_fp32=True, num_losses=2)
     built = run_precision._amp_plugin(compare_patching.trainer_door(pl), "O1", "native", configured, changes)
     assert (built.opt_level, built.settings.num_losses, built.settings.keep_batchnorm_fp32) == ("O1", 2, None)
@@ -1312,7 +1312,7 @@ def test_an_error_other_than_a_precision_setting_refused_is_not_retried(monkeypa
     configured = AmpPrecision(opt_level="O1", backend="native")
     with pytest.raises(RuntimeError, match="broken"):
         run_precision._amp_plugin(
-            compare_patching.trainer_door(pl), "O2", "native", configured, compare_recording.Changes()
+            compare_patching.trainer_door(pl), "O2", "native", configured, compare_recorder.Changes()
         )
 
 
@@ -1355,7 +1355,7 @@ def test_the_final_weights_of_apex_o2_are_its_fp32_masters(apex_double: ModuleTy
 
     trainer = fit(TwoModels(), precision="apex-O2")
     plugin, module = trainer.precision_plugin, trainer.lightning_module
-    weights = compare_recording._trained_weights(module, plugin)
+    weights = compare_recorder.trained_weights([("", module)], plugin)
     masters = {id(param): master for param, master in plugin.amp_backend.master_weight_pairs()}
     assert masters and all(param.dtype == torch.float16 for name, param in module.named_parameters())
     for name, param in module.named_parameters():
@@ -1368,13 +1368,13 @@ def test_a_scaler_not_yet_used_reads_its_initial_scale_so_an_overflow_at_the_fir
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    before = compare_recording._loss_scale(plugin)  # what the recording reads before the first backward
+    before = compare_recorder.loss_scale(plugin)  # what the recording reads before the first backward
     weight = torch.nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([weight], lr=1.0)
     plugin.scaler.scale((weight * float("inf")).sum()).backward()
     plugin.scaler.step(optimizer)
     plugin.scaler.update()
-    after = compare_recording._loss_scale(plugin)
+    after = compare_recorder.loss_scale(plugin)
     assert isinstance(before, torch.Tensor) and float(before) == 1024.0
     assert isinstance(after, torch.Tensor) and bool(after < before)  # the recording's skip: the scaler backed off
     assert torch.equal(weight.detach(), torch.ones(1))

@@ -7,23 +7,39 @@ docs/design/compare-fabric.md has the whole design and the launched tests to com
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import lightning.fabric
 import pytest
+import torch
 from conftest import needs_cpu_fp16, worker_env
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import HalfPrecision, MixedPrecision
 
 from lightning_ddp_amp.commands.compare import command as compare
+from lightning_ddp_amp.commands.compare import doors, run_folder
+from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.fabric_patching import PRECISION_VARIABLE, changes_of, patch_fabric
-from lightning_ddp_amp.commands.compare.run_folder import PLAN_VARIABLE, Plan
+from lightning_ddp_amp.commands.compare.run_folder import (
+    FINAL_WEIGHTS,
+    PLAN_VARIABLE,
+    START_WEIGHTS,
+    Plan,
+    snapshot_file,
+)
+from lightning_ddp_amp.commands.compare.tensors import hash_tensors
+from lightning_ddp_amp.errors import CompareScriptError
 from lightning_ddp_amp.fabric import AmpPrecision
 
 
@@ -116,6 +132,185 @@ def test_fabric_runs_precision_variable_is_removed_so_that_the_runs_precision_wi
     ]
 
 
+# -- the recording of a kept loop, in one process (no launch) ------------------------------------------------------
+
+
+@pytest.fixture
+def at_exit(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
+    """What the recording registers with ``atexit``, kept here (and run by the test) instead of at pytest's exit; the
+    exception hook it chains is put back after the test."""
+    registered: list[Callable[[], None]] = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", registered.remove)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    return registered
+
+
+def recorded_fabric(tmp_path: Path, steps: int = 3, **plan: Any) -> Fabric:
+    """A Fabric built in a run of ``steps`` steps, the baseline of ``tmp_path``, recorded."""
+    run = Plan("run", "32-true", steps=steps, directory=str(tmp_path), baseline_directory=str(tmp_path), **plan)
+
+    class ScriptFabric(Fabric):
+        pass
+
+    namespace = SimpleNamespace(__name__="lightning.fabric", Fabric=ScriptFabric, plugins=lightning.fabric.plugins)
+    patch_fabric(namespace, run)
+    return ScriptFabric(accelerator="cpu", devices=1)
+
+
+def train(fabric: Fabric, batches: int, log: bool = True) -> list[float]:
+    """A kept loop of two models and one optimizer, logging ``val_acc`` after each step; the losses it trained on."""
+    torch.manual_seed(0)
+    encoder, head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1)
+    encoder = fabric.setup_module(encoder)
+    head, optimizer = fabric.setup(head, optimizer)
+    losses = []
+    for batch in range(batches):
+        x = torch.randn(16, 4)
+        loss = torch.nn.functional.mse_loss(head(encoder(x)), x[:, :1])
+        losses.append(float(loss.detach()))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if log:
+            fabric.log("val_acc", torch.tensor(batch / 10))
+            fabric.log_dict({"val_loss": float(loss.detach()), "phase": "warm-up"})
+    return losses
+
+
+def merged_record(tmp_path: Path) -> dict[str, Any]:
+    assert run_folder.merge_rank_records(tmp_path)
+    record = run_folder.read_record(tmp_path)
+    assert record is not None
+    return record
+
+
+def test_a_kept_loop_is_recorded_step_by_step_and_ends_cleanly_after_its_steps(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit) as ended:
+        train(recorded_fabric(tmp_path, steps=3), batches=10)
+    assert ended.value.code == 0
+    record = merged_record(tmp_path)
+    assert (record["world_size"], record["ran_as"]) == (1, "Precision 32-true")
+    (rank,) = record["ranks"]
+    assert rank["step"] == [0, 1, 2] and rank["skipped"] == [False] * 3
+    assert all(math.isfinite(t) for t in rank["step_time_s"]) and all(n > 0 for n in rank["grad_norm"])
+    assert not at_exit  # the end wrote the record: nothing is left for the script's end
+
+
+def test_the_loss_of_each_step_is_the_loss_handed_to_fabric_backward(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=3), batches=10)
+    torch.manual_seed(0)
+    expected = train(Fabric(accelerator="cpu", devices=1), batches=3, log=False)
+    assert merged_record(tmp_path)["ranks"][0]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_every_model_set_up_is_hashed_before_setup_and_named_in_the_weights(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    torch.manual_seed(0)
+    encoder, head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+    hashes = [
+        hash_tensors({f"module{i}.{name}": t for name, t in model.state_dict().items()})
+        for i, model in enumerate((encoder, head))
+    ]
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=2, save_start=True, snapshots=(1,)), batches=10)
+    rank = merged_record(tmp_path)["ranks"][0]
+    assert rank["weights_hash"] == hashlib.sha256(":".join(hashes).encode()).hexdigest()
+    assert rank["batch_hash"] is not None
+    for weights in (START_WEIGHTS, snapshot_file(1), FINAL_WEIGHTS):
+        saved = torch.load(tmp_path / weights)
+        assert sorted(saved) == ["module0.bias", "module0.weight", "module1.bias", "module1.weight"]
+    assert torch.equal(torch.load(tmp_path / START_WEIGHTS)["module1.weight"], head.weight)
+
+
+def test_fabric_log_and_log_dict_scalars_are_kept_as_logged_evaluations_one_per_step(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=3), batches=10)
+    evaluations = merged_record(tmp_path)["evaluations"]
+    assert [(e["stage"], e["step"], sorted(e["metrics"])) for e in evaluations] == [
+        ("logged", 1, ["val_acc", "val_loss"]),
+        ("logged", 2, ["val_acc", "val_loss"]),
+    ]  # the phase is no scalar; the third step ended the run before its log
+    assert evaluations[1]["metrics"]["val_acc"] == pytest.approx(0.1)
+
+
+def test_a_script_that_swallows_the_end_meets_it_again_at_its_next_step(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    fabric = recorded_fabric(tmp_path, steps=1)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(fabric.setup_module(torch.nn.Linear(2, 1)).parameters()))
+    for _ in range(2):
+        fabric.backward(fabric.setup_module(torch.nn.Linear(2, 1))(torch.ones(1, 2)).sum())
+        with pytest.raises(SystemExit):
+            optimizer.step()
+
+
+def test_a_script_that_ends_before_its_steps_writes_its_record_at_exit(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    train(recorded_fabric(tmp_path, steps=100), batches=4)
+    assert not (tmp_path / run_folder.rank_file(0)).exists()
+    (script_ended,) = at_exit
+    script_ended()
+    assert merged_record(tmp_path)["ranks"][0]["step"] == [0, 1, 2, 3]
+
+
+def test_a_script_that_raises_keeps_the_steps_it_took_in_a_partial_record(
+    tmp_path: Path, at_exit: list[Callable[[], None]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed_on: list[BaseException] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, error, trace: handed_on.append(error))
+    train(recorded_fabric(tmp_path, steps=100), batches=2)
+    error = RuntimeError("the script's own")
+    sys.excepthook(RuntimeError, error, None)
+    assert handed_on == [error]  # sitecustomize's hook still writes the error
+    assert [rank["step"] for rank in run_folder.read_partial(tmp_path)] == [[0, 1]]
+    at_exit[0]()  # and the exit after the crash writes no whole record
+    assert not run_folder.merge_rank_records(tmp_path)
+
+
+def test_a_loop_that_steps_without_fabric_backward_is_told_to_call_it(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    fabric = recorded_fabric(tmp_path)
+    model, optimizer = fabric.setup(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(CompareScriptError) as refused:
+        optimizer.step()
+    assert str(refused.value) == (
+        "fabric.backward='never called': optimizer step 0 (SGD) came with no fabric.backward(loss) before it, and"
+        " compare records the loss each step trained on from fabric.backward. Fix: call fabric.backward(loss) in"
+        " place of loss.backward() (under AMP, Fabric needs it to scale the loss too)"
+    )
+
+
+def test_rank_records_are_merged_only_when_every_rank_wrote_one(tmp_path: Path) -> None:
+    def rank_document(rank: int) -> dict[str, Any]:
+        return {"world_size": 2, "candidate": "run", "ranks": [{"rank": rank, "step": [0]}]}
+
+    (tmp_path / run_folder.rank_file(1)).write_text(json.dumps(rank_document(1)))
+    (tmp_path / run_folder.partial_file(0)).write_text(json.dumps(rank_document(0)))
+    assert not run_folder.merge_rank_records(tmp_path)
+    (tmp_path / run_folder.rank_file(0)).write_text(json.dumps(rank_document(0)))
+    assert run_folder.merge_rank_records(tmp_path)
+    assert [rank["rank"] for rank in merged_record_of(tmp_path)["ranks"]] == [0, 1]
+
+
+def merged_record_of(tmp_path: Path) -> dict[str, Any]:
+    record = run_folder.read_record(tmp_path)
+    assert record is not None
+    return record
+
+
 def test_a_scripts_fabric_is_patched_in_both_namespaces_through_compares_site(tmp_path: Path) -> None:
     """A script that never imports the package: its ``lightning.fabric.Fabric`` and the standalone
     ``lightning_fabric.Fabric`` both train at the run's precision."""
@@ -134,3 +329,100 @@ def test_a_scripts_fabric_is_patched_in_both_namespaces_through_compares_site(tm
     printed = result.stdout.splitlines()
     assert printed == ["lightning bf16-mixed", "lightning_fabric bf16-mixed"], result.stderr[-2000:]
     assert not (tmp_path / "errors").exists(), json.dumps([p.read_text() for p in (tmp_path / "errors").iterdir()])
+
+
+# The errors of a run without a record (design note, "Errors"): how far the script got, from the markers it left.
+
+NEVER_IMPORTED = (
+    "command='python train.py': the script never imported lightning, pytorch_lightning or lightning_fabric, so it"
+    " built neither a Trainer nor a Fabric to compare. Fix: run the script that builds the Trainer or the Fabric (or"
+    " its Python ignored PYTHONPATH: drop python -E / -I)"
+)
+
+
+def imported_only(namespace: str) -> str:
+    return (
+        f"command='python train.py': the script imported {namespace} but built neither a Trainer nor a Fabric, so"
+        " compare had no precision to change. Fix: run the script that builds Trainer(...) or Fabric(...)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("markers", "reason"),
+    [
+        ([], NEVER_IMPORTED),
+        (["imported-lightning"], imported_only("lightning")),
+        (["imported-lightning_fabric", "imported-pytorch_lightning"], imported_only("pytorch_lightning")),
+        (
+            ["imported-lightning_fabric", "fabric-41"],
+            "command='python train.py': the script built a Fabric but no optimizer set up with fabric.setup /"
+            " fabric.setup_optimizers stepped. Fix: set the optimizer up with Fabric and step it in the loop",
+        ),
+        (
+            ["imported-lightning", "trainer-41"],
+            "command='python train.py': the script built a Trainer but never completed a Trainer.fit, so compare"
+            " recorded no step. Fix: call trainer.fit(...) in the script; compare records the steps of its first fit",
+        ),
+    ],
+)
+def test_a_run_without_a_record_says_how_far_its_script_got(markers: list[str], reason: str, tmp_path: Path) -> None:
+    (tmp_path / doors.FOLDER).mkdir()
+    for marker in markers:
+        (tmp_path / doors.FOLDER / marker).touch()
+    run = Candidate("native-O1", "native-O1", ["python", "train.py"], tmp_path, returncode=0)
+    assert run.failure() == reason
+
+
+def test_an_error_a_rank_raised_comes_before_the_markers(tmp_path: Path) -> None:
+    (tmp_path / doors.FOLDER).mkdir()
+    (tmp_path / doors.FOLDER / "fabric-41").touch()
+    (tmp_path / run_folder.ERRORS).mkdir()
+    error = {"rank": "0", "type": "CompareScriptError", "message": "fabric.backward='never called': ..."}
+    (tmp_path / run_folder.ERRORS / "rank0.json").write_text(json.dumps(error))
+    run = Candidate("native-O1", "native-O1", ["python", "train.py"], tmp_path, returncode=1)
+    assert run.failure() == "CompareScriptError on rank 0: fabric.backward='never called': ..."
+
+
+def run_through_site(tmp_path: Path, script: str, precision: str = "bf16-mixed") -> subprocess.CompletedProcess[str]:
+    """``python -c script`` as a compare run of ``precision`` starts it, with its folder ``tmp_path``."""
+    Plan("run", precision, steps=4, directory=str(tmp_path)).write(tmp_path / "plan.json")
+    env = worker_env({PLAN_VARIABLE: str(tmp_path / "plan.json")})
+    env["PYTHONPATH"] = os.pathsep.join([str(compare.SITE), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+
+def markers_in(folder: Path) -> set[str]:
+    return {path.name for path in (folder / doors.FOLDER).iterdir()} if (folder / doors.FOLDER).is_dir() else set()
+
+
+def test_a_script_of_the_standalone_fabric_alone_is_patched_and_marked_as_its_import(tmp_path: Path) -> None:
+    # lightning_fabric alone: its Fabric trains at the run's precision, and what compare imports itself to patch it
+    # (lightning, pytorch_lightning) is no import of the script's.
+    script = (
+        "import os, lightning_fabric\n"
+        "fabric = lightning_fabric.Fabric(accelerator='cpu', devices=1, precision='32-true')\n"
+        "print(os.getpid(), fabric.strategy.precision.precision)\n"
+    )
+    result = run_through_site(tmp_path, script)
+    pid, precision = result.stdout.split()
+    assert precision == "bf16-mixed", result.stderr[-2000:]
+    assert markers_in(tmp_path) == {"imported-lightning_fabric", f"fabric-{pid}"}
+
+
+def test_a_script_that_builds_a_trainer_leaves_its_marker(tmp_path: Path) -> None:
+    script = "import os, lightning\nlightning.Trainer(accelerator='cpu', devices=1, logger=False)\nprint(os.getpid())\n"
+    result = run_through_site(tmp_path, script, precision="32-true")
+    assert markers_in(tmp_path) == {"imported-lightning", f"trainer-{result.stdout.split()[-1]}"}, result.stderr[-2000:]
+
+
+def test_compare_reports_a_script_that_builds_neither_door(tmp_path: Path) -> None:
+    # A real compare run: the baseline exits 0 without a record, so compare stops after it (exit 2) and says why.
+    out = tmp_path / "out"
+    status = compare.main(["32-true", "native-O1", "--out", str(out), "--", sys.executable, "-c", "import lightning"])
+    (entry, *_) = json.loads((out / "compare.json").read_text())["candidates"]
+    assert status == 2
+    assert entry["status"] == "failed"
+    assert entry["reason"].startswith(
+        f"command={sys.executable + ' -c ' + shlex.quote('import lightning')!r}: the script imported lightning but"
+        " built neither a Trainer nor a Fabric"
+    )

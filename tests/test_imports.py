@@ -55,6 +55,7 @@ PUBLIC = {
         "AmpPrecision",
         "ApexUnavailableError",
         "CheckpointError",
+        "CompareScriptError",
         "EnvDDPStrategy",
         "LauncherEnvironmentError",
         "PeerError",

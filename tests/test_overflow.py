@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_ddp_amp.commands.compare import overflow
+from lightning_ddp_amp.commands.compare.model_calls import ModelCalls
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -169,3 +170,204 @@ def test_a_step_that_cannot_be_trained_again_is_reported_with_the_error_and_the_
     assert (found["phase"], found["module"]) == ("not re-run", None)
     assert found["note"] == "training the batch again failed: KeyError('the step wants the dataloader iterator')"
     assert all(not module._forward_hooks for module in model.modules())  # the watch took its hooks away
+
+
+# A kept loop (Fabric): no training_step to run again, so the models' calls are recorded (ModelCalls) and run again
+# (locate_calls). Each case is a two-model pipeline, model_a feeding model_b, the loss computed outside both.
+
+
+def pipeline_step(
+    model_a: torch.nn.Module,
+    model_b: torch.nn.Module,
+    batch: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    loss: Any = None,
+    context: Any = contextlib.nullcontext,
+) -> tuple[ModelCalls, list[Any]]:
+    """One step of the loop: both models watched, forward, the loss outside them, the real backward under ``scale``."""
+    calls = ModelCalls()
+    handles = [calls.watch(model_a), calls.watch(model_b)]
+    calls.start_step()
+    with context():
+        out = model_b(model_a(batch))
+    value = out.float().sum() if loss is None else loss(out)
+    (value * scale).backward()
+    for handle in handles:
+        handle.remove()
+    return calls, calls.take()
+
+
+def locate_calls(calls: list[Any], scale: float | None = None, context: Any = contextlib.nullcontext) -> dict[str, Any]:
+    return overflow.locate_calls(calls, step=3, scale=scale, context=context)
+
+
+def test_a_forward_overflow_under_the_steps_autocast_names_the_model_its_module_and_float16() -> None:
+    torch.manual_seed(0)
+    model_a, model_b = torch.nn.Sequential(torch.nn.Linear(4, 8), Scaled(1e5)), torch.nn.Linear(8, 1)
+    batch = torch.randn(16, 4)
+
+    def fp16() -> Any:
+        return torch.autocast("cpu", dtype=torch.float16)
+
+    _, calls = pipeline_step(model_a, model_b, batch, context=fp16)
+    found = locate_calls(calls, context=fp16)
+    assert (found["step"], found["phase"], found["module"]) == (3, "forward", "module0.1")
+    assert (found["tensor"], found["dtype"]) == ("output", "torch.float16")
+    assert 0 < found["max_finite"] < 65504
+    # without the step's autocast the same calls stay finite: the located dtype is the step's own
+    assert locate_calls(calls)["phase"] != "forward"
+
+
+def test_a_backward_that_passes_an_inf_to_the_other_model_names_the_module_that_passed_it() -> None:
+    # model_b's weights of 2 make the gradient it passes back to model_a's output 2x the scale: inf in float32, while
+    # its own weight gradient (the scale times model_a's output, kept below 1) and the gradient it received stay finite.
+    model_a, model_b = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model_a.weight.fill_(0.01)
+        model_a.bias.zero_()
+        model_b[0].weight.fill_(2.0)
+    _, calls = pipeline_step(model_a, model_b, torch.ones(1, 4), scale=F32_MAX / 1.5)
+    assert not bool(torch.isfinite(model_a.weight.grad).all())  # the real step overflowed
+    found = locate_calls(calls, scale=F32_MAX / 1.5)
+    assert (found["phase"], found["module"], found["dtype"]) == ("backward", "module1.0", "torch.float32")
+    assert found["tensor"] == "gradient passed back to its input (module1's input)"
+    assert found["loss_scale"] == pytest.approx(F32_MAX / 1.5)
+
+
+def test_a_backward_overflow_inside_a_model_names_its_module() -> None:
+    model_a = torch.nn.Linear(4, 4)
+    model_b = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model_a.weight.fill_(0.01)
+        model_a.bias.zero_()
+        model_b[0].weight.fill_(0.01)
+        model_b[1].weight.fill_(2.0)
+    _, calls = pipeline_step(model_a, model_b, torch.ones(1, 4), scale=F32_MAX / 1.5)
+    found = locate_calls(calls, scale=F32_MAX / 1.5)
+    assert (found["phase"], found["module"]) == ("backward", "module1.1")
+    assert found["tensor"] == "gradient passed back to its input (module1.0's output)"
+
+
+def test_a_loss_that_hands_an_inf_gradient_to_a_model_is_the_loss_with_that_gradients_bfloat16() -> None:
+    model_a, model_b = torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 1).to(torch.bfloat16)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return (out.float() * F32_MAX).sum() * 4  # d(loss)/d(out) is 4x the largest float32
+
+    _, calls = pipeline_step(model_a, model_b, torch.ones(1, 4, dtype=torch.bfloat16), loss=loss)
+    found = locate_calls(calls)
+    assert (found["phase"], found["module"], found["dtype"]) == ("loss", "(the loss)", "torch.bfloat16")
+    assert found["tensor"] == "gradient of module1's output, computed outside the set-up models"
+
+
+def test_a_weight_the_loss_uses_outside_the_models_is_put_on_the_loss() -> None:
+    model_a, model_b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.sum() + (model_b.weight * F32_MAX).sum() * 4  # a penalty on the weights, outside the forwards
+
+    _, calls = pipeline_step(model_a, model_b, torch.ones(1, 4), loss=loss)
+    assert not bool(torch.isfinite(model_b.weight.grad).all())
+    found = locate_calls(calls)
+    assert (found["phase"], found["module"], found["tensor"]) == ("loss", "(the loss)", None)
+    assert found["note"].startswith("every set-up model's backward from the gradients its outputs received stays")
+
+
+def test_each_call_runs_again_from_its_own_random_state() -> None:
+    # model_b's random mask decides the overflow; the loop draws between the two calls, so only the random state
+    # taken before model_b's own call reproduces it (see the dropout test above for the two seeds).
+    class Mask(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            keep = torch.rand(x.shape) < 0.5
+            return torch.where(keep & (torch.arange(x.numel()).reshape(x.shape) == 0), x * 1e38 * 1e38, x)
+
+    model_a, model_b = torch.nn.Linear(4, 4), Mask()
+    calls = ModelCalls()
+    calls.watch(model_a)
+    calls.watch(model_b)
+    torch.manual_seed(1)
+    hidden = model_a(torch.ones(1, 4))
+    torch.manual_seed(3)
+    model_b(hidden).sum().backward()
+    torch.manual_seed(1)  # the state now is not the one model_b's call drew from
+    found = locate_calls(calls.take())
+    assert (found["phase"], found["module"]) == ("forward", "module1")
+
+
+def test_running_the_calls_again_changes_no_weight_gradient_buffer_or_random_state() -> None:
+    # Every forward and every backward runs again: the overflow is a penalty outside the models (put on the loss).
+    torch.manual_seed(0)
+    model_a = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5))
+    model_b = torch.nn.Linear(8, 1)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.sum() + (model_b.weight * F32_MAX).sum() * 4
+
+    _, calls = pipeline_step(model_a, model_b, 10 * torch.randn(16, 4), loss=loss)
+    models = (model_a, model_b)
+    states = [{name: value.clone() for name, value in model.state_dict().items()} for model in models]
+    grads = [{name: p.grad.clone() for name, p in model.named_parameters()} for model in models]
+    rng = torch.get_rng_state()
+    assert locate_calls(calls)["phase"] == "loss"
+    for model, state, grad in zip(models, states, grads, strict=True):
+        after = model.state_dict()
+        assert all(torch.equal(after[name], value) for name, value in state.items())  # batchnorm statistics too
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grad[name], rtol=0, atol=0, equal_nan=True)
+        assert all(not module._forward_hooks for module in model.modules())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_call_that_cannot_run_again_is_reported_with_the_error_and_the_hooks_go() -> None:
+    class Once(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("the batch iterator is spent")
+            return x * 2
+
+    model_a, model_b = torch.nn.Linear(4, 4), Once()
+    _, calls = pipeline_step(model_a, model_b, torch.ones(1, 4))
+    found = locate_calls(calls)
+    assert (found["phase"], found["module"]) == ("not re-run", None)
+    assert found["note"] == "running the models' calls again failed: RuntimeError('the batch iterator is spent')"
+    assert all(not module._forward_hooks for module in (*model_a.modules(), model_b))
+
+
+def test_a_step_whose_models_received_no_gradient_is_not_reproduced() -> None:
+    model = torch.nn.Linear(4, 1)
+    calls = ModelCalls()
+    calls.watch(model)
+    model(torch.ones(1, 4))
+    found = locate_calls(calls.take())
+    assert (found["phase"], found["note"]) == (
+        "not reproduced",
+        "no output of a set-up model received a gradient in the step",
+    )
+
+
+def test_model_calls_keep_the_calls_of_the_step_a_gan_trains_its_generator_on() -> None:
+    # The discriminator's step uses G(z) detached; the generator's step backpropagates through the same G(z), computed
+    # before the discriminator stepped. Evaluation under no_grad is not kept.
+    generator, discriminator = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)
+    calls = ModelCalls()
+    calls.watch(generator, "generator")
+    watching = calls.watch(discriminator, "discriminator")
+    real = torch.ones(3, 4)
+    fake = generator(torch.randn(3, 2))
+    (discriminator(real).sum() - discriminator(fake.detach()).sum()).backward()
+    calls.start_step()  # the discriminator stepped
+    with torch.no_grad():
+        discriminator(real)
+    discriminator(fake).sum().backward()
+    taken = calls.take()
+    assert [call.label for call in taken] == ["generator", "discriminator"]
+    assert all(call.received() for call in taken)
+    assert torch.equal(taken[1].args[0], fake) and taken[1].gradients[0] is not None
+    calls.start_step()
+    watching.remove()
+    discriminator(real).sum().backward()
+    assert calls.take() == []

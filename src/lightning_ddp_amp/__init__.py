@@ -21,6 +21,7 @@ from lightning_ddp_amp.commands.convert import convert_apex_checkpoint  # noqa: 
 from lightning_ddp_amp.errors import (  # noqa: E402
     ApexUnavailableError,
     CheckpointError,
+    CompareScriptError,
     LauncherEnvironmentError,
     LightningDDPAmpError,
     PeerError,
@@ -38,6 +39,7 @@ __all__ = [
     "AmpPrecision",
     "ApexUnavailableError",
     "CheckpointError",
+    "CompareScriptError",
     "EnvDDPStrategy",
     "LauncherEnvironment",
     "LauncherEnvironmentError",

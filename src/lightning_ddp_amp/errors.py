@@ -58,6 +58,11 @@ class CheckpointError(LightningDDPAmpError, RuntimeError):
     """A checkpoint cannot be resumed from: truncated, not a Lightning checkpoint, or written for another job."""
 
 
+class CompareScriptError(LightningDDPAmpError, RuntimeError):
+    """A script run by ``lightning-ddp-amp compare`` trains in a way compare cannot record, e.g. a Fabric loop that
+    steps an optimizer without ``fabric.backward``."""
+
+
 def whole_number(
     error: type[LightningDDPAmpError],
     field: str,

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any, cast
 
-from lightning_ddp_amp.commands.compare import run_folder
+from lightning_ddp_amp.commands.compare import doors, run_folder
 from lightning_ddp_amp.commands.compare.run_folder import ERRORS
 from lightning_ddp_amp.commands.compare.schema import (
     CANDIDATE,
@@ -62,9 +63,30 @@ class Candidate:
             return f"{error['type']} {where}: {error['message']}"
         if self.returncode:
             return f"the command exited with status {self.returncode} (its output is above)"
+        return self._why_no_record()
+
+    def _why_no_record(self) -> str:
+        """A run that exited 0 without a record: how far its script got, from the markers it left (:mod:`~lightning_ddp_amp.commands.compare.doors`)."""
+        command, reached = f"command={shlex.join(self.command)!r}", doors.reached(self.directory)
+        if reached.trainer:
+            return (
+                f"{command}: the script built a Trainer but never completed a Trainer.fit, so compare recorded no"
+                " step. Fix: call trainer.fit(...) in the script; compare records the steps of its first fit"
+            )
+        if reached.fabric:
+            return (
+                f"{command}: the script built a Fabric but no optimizer set up with fabric.setup /"
+                " fabric.setup_optimizers stepped. Fix: set the optimizer up with Fabric and step it in the loop"
+            )
+        if reached.imported:
+            return (
+                f"{command}: the script imported {reached.imported[0]} but built neither a Trainer nor a Fabric, so"
+                " compare had no precision to change. Fix: run the script that builds Trainer(...) or Fabric(...)"
+            )
         return (
-            "the command finished without a record: it never completed a Trainer.fit of lightning or"
-            " pytorch_lightning, or its Python ignored PYTHONPATH (python -E or -I)"
+            f"{command}: the script never imported lightning, pytorch_lightning or lightning_fabric, so it built"
+            " neither a Trainer nor a Fabric to compare. Fix: run the script that builds the Trainer or the Fabric"
+            " (or its Python ignored PYTHONPATH: drop python -E / -I)"
         )
 
 

@@ -39,7 +39,7 @@ from typing import IO, TextIO
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.commands.compare import report as compare_report
-from lightning_ddp_amp.commands.compare import terminal
+from lightning_ddp_amp.commands.compare import run_folder, terminal
 from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.comparable import stop_after_baseline
 from lightning_ddp_amp.commands.compare.run_folder import OUTPUT_FILES, PLAN_FILE, PLAN_VARIABLE, Plan
@@ -314,6 +314,7 @@ def _run(candidate: Candidate, plan: Plan) -> int:
         finally:
             for copy in copies:
                 copy.join()
+    run_folder.merge_rank_records(candidate.directory)  # a Fabric run's ranks each wrote their own record
     return returncode
 
 

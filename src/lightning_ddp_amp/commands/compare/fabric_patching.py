@@ -10,8 +10,8 @@ the Fabric of the namespace the script imported (``lightning.fabric``, or the st
 * ``LT_PRECISION``, which ``fabric run`` sets and Fabric takes over its ``precision`` argument, is removed from the
   environment.
 
-The changes are kept for the run's record (:func:`changes_of`). docs/design/compare-fabric.md says what
-is patched next: setup, backward, the optimizers' steps and ``fabric.log``.
+The changes are kept for the run's record (:func:`changes_of`). The process's first Fabric is then recorded: its
+setup, backward, optimizers' steps and ``fabric.log`` (:mod:`~lightning_ddp_amp.commands.compare.fabric_recording`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import os
 import weakref
 from typing import Any
 
-from lightning_ddp_amp.commands.compare.recording import Changes
+from lightning_ddp_amp.commands.compare import doors, fabric_recording
+from lightning_ddp_amp.commands.compare.recorder import Changes
 from lightning_ddp_amp.commands.compare.run_folder import Plan
 from lightning_ddp_amp.commands.compare.run_precision import Door, replace_precision
+from lightning_ddp_amp.errors import CompareScriptError
 
 _MARK = "__lightning_ddp_amp_compare__"
 #: What each Fabric built in this process had changed, for its recording.
@@ -54,14 +56,24 @@ def patch_fabric(fabric_namespace: Any, plan: Plan) -> None:
     door = fabric_door(fabric_namespace)
     init = fabric_class.__init__
     signature = inspect.signature(init)
+    recordings: list[fabric_recording.FabricRecording] = []  # the first Fabric of the process records
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        doors.built(plan.directory, doors.FABRIC)
+        if plan.ckpt is not None:
+            raise CompareScriptError(
+                "--ckpt",
+                plan.ckpt,
+                "a Fabric script loads its own checkpoints with fabric.load, so compare cannot start it from one",
+                "pass the checkpoint to the script's own option in the command (e.g. -- python train.py --resume PATH)",
+            )
         given = signature.bind(self, *args, **kwargs).arguments
         changes = Changes(door=door.name)
         replace_fabric_precision(given, plan, changes, door)
         init(given.pop("self"), **given)
         _CHANGES[self] = changes
+        fabric_recording.attach(self, plan, changes, recordings)
 
     setattr(__init__, _MARK, True)
     fabric_class.__init__ = __init__

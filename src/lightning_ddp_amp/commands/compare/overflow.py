@@ -16,6 +16,11 @@ turns ``self.log`` off, and puts the buffers (batchnorm statistics) and the rand
 
 It costs nothing until a step overflows: the recording only compares the step's gradient norm, which it computes
 anyway, with infinity. A step whose batch is one of several accumulated is re-run on its last batch only.
+
+A kept loop (Fabric) has no ``training_step``: :func:`locate_calls` runs again each recorded call of its set-up models
+(:mod:`~lightning_ddp_amp.commands.compare.model_calls`), the forwards in order, then each backward from the gradient
+its outputs received in the step. Both share the watch (:class:`_Watch`), :func:`located` and the restore of the
+buffers and the random state.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ddp_amp.commands.compare.model_calls import Call, floating
 from lightning_ddp_amp.commands.compare.schema import BACKWARD, FORWARD, LOSS, NOT_RE_RUN, NOT_REPRODUCED, Phase
 
 #: The most steps a run locates; each costs one more forward and backward of that step's batch.
@@ -94,35 +100,25 @@ def _train_again(
     if not pl_module.automatic_optimization:
         return located(step, scale, phase=NOT_RE_RUN, note="manual optimization steps inside training_step")
     device = torch.device(pl_module.device)
-    cuda = [device] if device.type == "cuda" else []
-    buffers = {name: buffer.detach().clone() for name, buffer in pl_module.named_buffers()}
-    try:
-        with torch.random.fork_rng(devices=cuda), _logging_off(pl_module), _Watch(pl_module) as watch:
-            torch.set_rng_state(rng[0])
-            if cuda and rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1], cuda[0])
-            with context():
-                output = _training_step(pl_module, batch, batch_idx)
-            loss = output.get("loss") if isinstance(output, dict) else output
-            if watch.forward is not None:
-                return located(step, scale, phase=FORWARD, **watch.forward)
-            if not isinstance(loss, Tensor) or not loss.requires_grad:
-                return located(step, scale, phase=NOT_REPRODUCED, note="training_step returned no loss to re-run")
-            scaled = loss.float() * (1.0 if scale is None else scale)
-            if not bool(torch.isfinite(scaled)):
-                what = "loss" if not bool(torch.isfinite(loss)) else f"loss times the scale {scale:g}"
-                return located(
-                    step, scale, phase=LOSS, module="(the loss)", tensor=what, dtype=str(loss.dtype),
-                    max_finite=None if not bool(torch.isfinite(loss)) else float(loss.detach().abs()),
-                )  # fmt: skip
-            parameters = [p for p in pl_module.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(scaled, parameters, allow_unused=True)
-            found = watch.backward(dict(zip(map(id, parameters), grads, strict=True)))
-    finally:
-        with torch.no_grad():
-            for name, buffer in pl_module.named_buffers():
-                if name in buffers:
-                    buffer.copy_(buffers[name])
+    with _restored([pl_module], [device]), _logging_off(pl_module), _Watch(pl_module) as watch:
+        _set_rng(rng, device)
+        with context():
+            output = _training_step(pl_module, batch, batch_idx)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if watch.forward is not None:
+            return located(step, scale, phase=FORWARD, **watch.forward)
+        if not isinstance(loss, Tensor) or not loss.requires_grad:
+            return located(step, scale, phase=NOT_REPRODUCED, note="training_step returned no loss to re-run")
+        scaled = loss.float() * (1.0 if scale is None else scale)
+        if not bool(torch.isfinite(scaled)):
+            what = "loss" if not bool(torch.isfinite(loss)) else f"loss times the scale {scale:g}"
+            return located(
+                step, scale, phase=LOSS, module="(the loss)", tensor=what, dtype=str(loss.dtype),
+                max_finite=None if not bool(torch.isfinite(loss)) else float(loss.detach().abs()),
+            )  # fmt: skip
+        parameters = [p for p in pl_module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(scaled, parameters, allow_unused=True)
+        found = watch.backward(dict(zip(map(id, parameters), grads, strict=True)))
     if found is not None:
         return located(step, scale, phase=BACKWARD, **found)
     return located(
@@ -143,6 +139,166 @@ def _training_step(pl_module: Any, batch: Any, batch_idx: int) -> Any:
     if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in positional):
         return pl_module.training_step(batch, batch_idx)
     return pl_module.training_step(batch)
+
+
+def locate_calls(
+    calls: list[Call],
+    *,
+    step: int,
+    scale: float | None,
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> dict[str, Any]:
+    """Run a kept loop's model calls again from the current weights and say where the step stopped being finite.
+
+    Args:
+        calls: The step's calls of its set-up models (:meth:`ModelCalls.take
+            <lightning_ddp_amp.commands.compare.model_calls.ModelCalls.take>`), each with its arguments, the random
+            state before it and the gradient its outputs received in the real backward.
+        step: The step, for the report.
+        scale: The loss scale the step's backward ran under; None without loss scaling.
+        context: The precision plugin's ``forward_context``, for the same autocast as the step's forwards.
+
+    The forwards run in the order the calls were made: the first module whose output is not finite is the place.
+    Else the backwards, latest call first, each from the gradient its outputs received: the first module whose backward
+    made a gradient non-finite (its weights' or the one passed back to its input). A received gradient that is itself
+    not finite, while every later call's backward stays finite, came from the code between the models: the loss.
+
+    It never raises: a call that cannot run again is reported as ``not re-run`` with the error.
+    """
+    try:
+        return _run_calls_again(calls, step, scale, context)
+    except Exception as error:  # the run under compare must not fail for its own instrument
+        return located(step, scale, phase=NOT_RE_RUN, note=f"running the models' calls again failed: {error!r}")
+
+
+def _run_calls_again(calls: list[Call], step: int, scale: float | None, context: Any) -> dict[str, Any]:
+    backward = [call for call in calls if call.received()]
+    if not backward:
+        return located(
+            step, scale, phase=NOT_REPRODUCED, note="no output of a set-up model received a gradient in the step"
+        )
+    modules = list({id(call.module): call.module for call in calls}.values())
+    with _restored(modules, [call.device for call in calls]):
+        for call in calls:
+            with torch.no_grad(), _Watch(call.module, call.label) as watch:
+                _call_again(call, context)
+            if watch.forward is not None:
+                return located(step, scale, phase=FORWARD, **watch.forward)
+        for call in reversed(backward):
+            found = _received_not_finite(call) or _backward_again(call, context)
+            if found is not None:
+                return located(step, scale, **found)
+    return located(
+        step,
+        scale,
+        phase=LOSS,
+        module="(the loss)",
+        note="every set-up model's backward from the gradients its outputs received stays finite: the non-finite"
+        " gradients came from the loss's own use of the weights (or from nondeterminism)",
+    )
+
+
+def _call_again(call: Call, context: Any) -> tuple[Any, list[Tensor]]:
+    """The call's output, run from its random state on its arguments, and those of them it can pass a gradient to."""
+    inputs: list[Tensor] = []
+    args, kwargs = _detached((call.args, call.kwargs), inputs)
+    _set_rng(call.rng, call.device)
+    with context():
+        return call.module(*args, **kwargs), inputs
+
+
+def _received_not_finite(call: Call) -> dict[str, Any] | None:
+    for grad in call.gradients:
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            return {
+                "phase": LOSS,
+                "module": "(the loss)",
+                "tensor": f"gradient of {call.label}'s output, computed outside the set-up models",
+                "dtype": str(grad.dtype),
+                "max_finite": _largest_finite(grad),
+            }
+    return None
+
+
+def _backward_again(call: Call, context: Any) -> dict[str, Any] | None:
+    with _Watch(call.module, call.label) as watch:
+        output, inputs = _call_again(call, context)
+        pairs = [
+            (tensor, grad)
+            for tensor, grad in zip(floating(output), call.gradients, strict=False)
+            if grad is not None and tensor.requires_grad
+        ]
+        if not pairs:
+            return None
+        parameters = [p for p in call.module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(
+            [tensor for tensor, _ in pairs],
+            parameters + inputs,
+            grad_outputs=[grad for _, grad in pairs],
+            allow_unused=True,
+        )
+    found = watch.backward(dict(zip(map(id, parameters), grads[: len(parameters)], strict=True)))
+    if found is not None:
+        return {"phase": BACKWARD, **found}
+    for grad in grads[len(parameters) :]:
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            return {
+                "phase": BACKWARD,
+                "module": watch.order[0] if watch.order else call.label,
+                "tensor": f"gradient passed back to its input ({call.label}'s input)",
+                "dtype": str(grad.dtype),
+                "max_finite": _largest_finite(grad),
+            }
+    return None
+
+
+def _detached(value: Any, inputs: list[Tensor]) -> Any:
+    """``value`` with its tensors detached from the step's graph; those that needed a gradient are new leaves that do,
+    added to ``inputs``."""
+    if isinstance(value, Tensor):
+        leaf = value.detach()
+        if value.requires_grad:
+            leaf.requires_grad_(True)
+            inputs.append(leaf)
+        return leaf
+    if isinstance(value, (list, tuple)):
+        items = [_detached(item, inputs) for item in value]
+        named = isinstance(value, tuple) and type(value) is not tuple  # a namedtuple takes its fields one by one
+        return type(value)(*items) if named else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _detached(item, inputs) for key, item in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def _restored(modules: list[Any], devices: list[torch.device]) -> Iterator[None]:
+    """Whatever runs inside leaves the random state and the buffers of ``modules`` (batchnorm statistics) as they were.
+
+    The re-run trains on copies of the buffers, put in their place and taken out again: the buffers themselves are
+    never written, so a graph of the real step that saved them (batchnorm saves its running statistics for its
+    backward; a GAN backpropagates ``G(z)`` in a later step) still finds them at the version it saved.
+    """
+    owned = [
+        (owner, name, buffer)
+        for module in modules
+        for owner in module.modules()
+        for name, buffer in owner.named_buffers(recurse=False)
+    ]
+    cuda = list({device for device in devices if device.type == "cuda"})
+    for owner, name, buffer in owned:
+        setattr(owner, name, buffer.detach().clone())
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        for owner, name, buffer in owned:
+            setattr(owner, name, buffer)
+
+
+def _set_rng(rng: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(rng[0])
+    if device.type == "cuda" and rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1], device)
 
 
 @contextlib.contextmanager
@@ -166,22 +322,27 @@ def _largest_finite(tensor: Tensor) -> float:
 class _Watch:
     """Forward hooks on every module: the first non-finite output, and each output's gradient in backward order."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, prefix: str = "") -> None:
         self.root = root
+        self.prefix = prefix  # the model's name when the report names several: ``module0.net.2``
         self.forward: dict[str, Any] | None = None
         self.order: list[str] = []  # modules in the order their forwards finished
         self.gradients: list[tuple[str, Tensor]] = []  # (module, gradient of its output), in backward order
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
         self._owner = {
-            id(p): name or type(m).__name__ for name, m in root.named_modules() for p in m.parameters(recurse=False)
+            id(p): self._label(name, m) for name, m in root.named_modules() for p in m.parameters(recurse=False)
         }
 
     def __enter__(self) -> _Watch:
         for name, module in self.root.named_modules():
-            label = name or type(module).__name__
-            self._handles.append(module.register_forward_hook(self._hook(label)))
+            self._handles.append(module.register_forward_hook(self._hook(self._label(name, module))))
         return self
+
+    def _label(self, name: str, module: Any) -> str:
+        if self.prefix:
+            return f"{self.prefix}.{name}" if name else self.prefix
+        return name or type(module).__name__
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
@@ -190,7 +351,7 @@ class _Watch:
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: Any, inputs: Any, output: Any) -> None:
             self.order.append(name)
-            for tensor in _floating(output):
+            for tensor in floating(output):
                 if self.forward is None and not bool(torch.isfinite(tensor).all()):
                     self.forward = {
                         "module": name,
@@ -245,15 +406,3 @@ def _bad_weights(name: str, by_module: dict[str, list[Tensor]]) -> dict[str, Any
         "dtype": str(bad[0].dtype),
         "max_finite": max(_largest_finite(g) for g in bad),
     }
-
-
-def _floating(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _floating(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _floating(item)

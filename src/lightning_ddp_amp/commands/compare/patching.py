@@ -2,7 +2,8 @@
 
 :mod:`lightning_ddp_amp.commands.compare` starts the user's command with ``commands/compare/_site/`` first on ``PYTHONPATH`` and a
 plan file named in ``LIGHTNING_DDP_AMP_COMPARE`` (:mod:`~lightning_ddp_amp.commands.compare.run_folder`); that folder's
-``sitecustomize`` calls :func:`patch` as soon as the script imports ``lightning`` or ``pytorch_lightning``. From then
+``sitecustomize`` calls :func:`patch` as soon as the script imports ``lightning``, ``pytorch_lightning`` or
+``lightning_fabric`` (a kept loop: only its Fabric is patched). From then
 on every ``Trainer(...)`` of the script is built with these changes, which rank 0 lists once when ``fit`` starts:
 
 * ``precision`` becomes the candidate's, and any precision plugin in ``plugins`` is removed (Lightning refuses
@@ -13,7 +14,8 @@ on every ``Trainer(...)`` of the script is built with these changes, which rank 
   candidate's folder; any other logger is turned off, since it cannot be pointed elsewhere. LightningCLI saves its
   config in the log directory, so it lands there too;
 * ``fit`` starts from the plan's checkpoint when the script passes no ``ckpt_path``;
-* a :class:`~lightning_ddp_amp.commands.compare.recording.Recording` callback is added: what each step did.
+* a :class:`~lightning_ddp_amp.commands.compare.recording.Recording` callback is added: what each step did;
+* a ``doors/trainer-{pid}`` marker says that a Trainer was built (:mod:`~lightning_ddp_amp.commands.compare.doors`).
 
 A strategy that restores a checkpoint only after its ``setup`` (``restore_checkpoint_after_setup``: FSDP, DeepSpeed)
 is refused when the Trainer is built: the starting weights are compared where ``setup`` begins.
@@ -32,7 +34,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_ddp_amp.commands.compare import fabric_patching
+from lightning_ddp_amp._standalone import FLAVOUR
+from lightning_ddp_amp.commands.compare import doors, fabric_patching
 from lightning_ddp_amp.commands.compare.recording import Changes, Recording
 from lightning_ddp_amp.commands.compare.run_folder import Plan
 from lightning_ddp_amp.commands.compare.run_precision import Door, replace_precision
@@ -50,7 +53,8 @@ def trainer_door(pl: Any) -> Door:
 
 def patch(namespace: str, plan_file: str) -> None:
     """Patch ``Trainer.__init__`` and ``Trainer.fit`` of ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``),
-    and the Fabric that comes with it (:mod:`~lightning_ddp_amp.commands.compare.fabric_patching`).
+    and the Fabric that comes with it (:mod:`~lightning_ddp_amp.commands.compare.fabric_patching`); of
+    ``"lightning_fabric"``, its Fabric only.
 
     Importing :mod:`lightning_ddp_amp` first registers ``"envddp"`` and the ``"apex-O*"`` / ``"amp-O*"`` values, so
     a script that never imports the package can be compared under them. Idempotent.
@@ -58,8 +62,12 @@ def patch(namespace: str, plan_file: str) -> None:
     import lightning_ddp_amp  # noqa: F401  (registers the strategy and the precision values)
 
     module = sys.modules[namespace]
-    pl: Any = module.pytorch if namespace == "lightning" else module  # lightning.pytorch, or pytorch_lightning
     plan = Plan.read(plan_file)
+    if namespace == "lightning_fabric":  # a kept loop on the standalone Fabric: no Trainer of its own
+        importlib.import_module(FLAVOUR)  # registers "envddp" and the precision values with the standalone Fabric
+        fabric_patching.patch_fabric(module, plan)
+        return
+    pl: Any = module.pytorch if namespace == "lightning" else module  # lightning.pytorch, or pytorch_lightning
     # lightning.fabric, or the standalone lightning_fabric that pytorch_lightning imports first.
     fabric_patching.patch_fabric(module.fabric if namespace == "lightning" else sys.modules["lightning_fabric"], plan)
     trainer_class = pl.Trainer
@@ -71,6 +79,7 @@ def patch(namespace: str, plan_file: str) -> None:
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        doors.built(plan.directory, doors.TRAINER)
         given = init_signature.bind(self, *args, **kwargs).arguments
         changes = Changes()
         _replace_arguments(given, _trainer_defaults(type(self), init_signature, pl), plan, changes, pl)
@@ -186,7 +195,7 @@ def _fence(pl: Any) -> Any:
 
 def _flavour(pl: Any) -> str:
     """This package, or its ``pytorch_lightning`` flavour, for the Lightning namespace ``pl``."""
-    return "lightning_ddp_amp.pytorch_lightning" if pl.__name__ == "pytorch_lightning" else "lightning_ddp_amp"
+    return FLAVOUR if pl.__name__ == "pytorch_lightning" else "lightning_ddp_amp"
 
 
 def _redirect_checkpoints(trainer: Any, plan: Plan, changes: Changes, pl: Any) -> None:

@@ -7,8 +7,9 @@ One folder per run, under ``--out``:
 * ``stdout.log``, ``stderr.log``: what the run printed; ``errors/``: each process's uncaught exception, written by
   ``commands/compare/_site/sitecustomize.py``;
 * ``record.json``: the recording of the run's first ``fit`` (:mod:`~lightning_ddp_amp.commands.compare.recording`), written
-  by rank 0 when it ends, and again for each evaluation after it; a run that raised leaves one partial record per
-  rank instead (:func:`partial_file`);
+  by rank 0 when it ends, and again for each evaluation after it; a Fabric run's ranks each write their own
+  (:func:`rank_file`, :mod:`~lightning_ddp_amp.commands.compare.fabric_recording`), merged into it by ``compare``;
+  a run that raised leaves one partial record per rank instead (:func:`partial_file`);
 * the weights, in fp32: the final ones; the baseline's also before its first step and at each snapshot
   (:func:`snapshot_file`), where every other run measures its distance to them.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,12 @@ START_WEIGHTS = "weights-start.pt"
 def snapshot_file(step: int) -> str:
     """The baseline's weights after ``step`` steps."""
     return f"weights-step{step}.pt"
+
+
+def rank_file(rank: int) -> str:
+    """One rank's record of a Fabric run (no ``fit`` gathers the ranks): merged into ``record.json`` after the run
+    (:func:`merge_rank_records`)."""
+    return f"record-rank{rank}.json"
 
 
 def partial_file(rank: int | str) -> str:
@@ -93,6 +101,20 @@ def read_record(folder: Path) -> dict[str, Any] | None:
     """The run's ``record.json``; None when it wrote none."""
     path = folder / RECORD_FILE
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def merge_rank_records(folder: Path) -> bool:
+    """Write ``record.json`` from the ranks' own records (:func:`rank_file`) where the run wrote none: rank 0's header,
+    every rank's record in rank order. Only when every rank of the header's ``world_size`` wrote one; returns whether
+    it wrote."""
+    if (folder / RECORD_FILE).is_file():
+        return False
+    paths = [path for path in folder.glob("record-rank*.json") if re.fullmatch(r"record-rank\d+\.json", path.name)]
+    documents = sorted((json.loads(path.read_text()) for path in paths), key=lambda d: d["ranks"][0]["rank"])
+    if not documents or len(documents) != documents[0]["world_size"]:
+        return False
+    write_record(folder, {**documents[0], "ranks": [document["ranks"][0] for document in documents]})
+    return True
 
 
 def read_partial(folder: Path) -> list[dict[str, Any]]:

@@ -41,10 +41,12 @@ ABOVE: Final[Call] = "above"
 BELOW: Final[Call] = "below"
 WITHIN_THE_SPREAD: Final[Call] = "within the spread"
 
-#: The loop an evaluation ran in: validation (during ``fit`` or ``trainer.validate``) or ``trainer.test``.
-Stage = Literal["validate", "test"]
+#: The loop an evaluation ran in: validation (during ``fit`` or ``trainer.validate``), ``trainer.test``, or a kept
+#: loop's ``fabric.log`` / ``log_dict`` at a step.
+Stage = Literal["validate", "test", "logged"]
 VALIDATE: Final[Stage] = "validate"
 TEST: Final[Stage] = "test"
+LOGGED: Final[Stage] = "logged"
 
 #: Where an overflow was found when its step's batch was trained again (:mod:`~lightning_ddp_amp.commands.compare.overflow`).
 Phase = Literal["forward", "backward", "loss", "not reproduced", "not re-run"]

@@ -21,10 +21,23 @@ def identical(
     weights: dict[str, torch.Tensor],
     base_weights: dict[str, torch.Tensor],
 ) -> bool:
-    """Whether a run trained exactly as the baseline did: the same steps and losses, the same final weights."""
-    if series["step"] != base["step"] or series["loss"] != base["loss"] or weights.keys() != base_weights.keys():
+    """Whether a run trained exactly as the baseline did: the same steps and losses (a NaN loss, an overflowed step's,
+    the same as a NaN), the same final weights."""
+    if (
+        series["step"] != base["step"]
+        or not _same(series["loss"], base["loss"])
+        or weights.keys() != base_weights.keys()
+    ):
         return False
     return all(torch.equal(weights[name], base_weights[name]) for name in weights)
+
+
+def _same(values: Sequence[float | None], others: Sequence[float | None]) -> bool:
+    """Equal value for value, NaN equal to NaN."""
+    return len(values) == len(others) and all(
+        value == other or (value is not None and other is not None and math.isnan(value) and math.isnan(other))
+        for value, other in zip(values, others, strict=True)
+    )
 
 
 def verdict(summary: Summary, tolerance: Tolerance, metrics: Sequence[Metric] = ()) -> tuple[Status, str]:

@@ -1,8 +1,10 @@
 """Python runs this at start-up in every process of a ``lightning-ddp-amp compare`` run (agents and ranks alike).
 
-It imports nothing heavy: it waits for the script to import ``lightning`` or ``pytorch_lightning``, then has
-:mod:`lightning_ddp_amp.commands.compare.patching` patch that namespace's Trainer, so the script runs unchanged. An
-uncaught exception is written to the run's folder, so that the report can name it. Any ``sitecustomize`` this
+It imports nothing heavy: it waits for the script to import ``lightning``, ``pytorch_lightning`` or
+``lightning_fabric``, leaves a ``doors/imported-{namespace}`` marker in the run's folder (what the script got to, for
+a run that ends without a record: :mod:`lightning_ddp_amp.commands.compare.doors`), then has
+:mod:`lightning_ddp_amp.commands.compare.patching` patch that namespace's Trainer and Fabric, so the script runs
+unchanged. An uncaught exception is written to the run's folder, so that the report can name it. Any ``sitecustomize`` this
 folder shadows (a virtualenv's, a distribution's) runs afterwards, as it would have without compare.
 """
 
@@ -21,11 +23,13 @@ from types import ModuleType, TracebackType
 #: folder are :mod:`lightning_ddp_amp.commands.compare.run_folder`'s names, written again: this file imports nothing of the package.
 PLAN_VARIABLE = "LIGHTNING_DDP_AMP_COMPARE"
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_NAMESPACES = ("lightning", "pytorch_lightning")
+#: :mod:`lightning_ddp_amp.commands.compare.doors`' names, written again.
+_NAMESPACES = ("lightning", "pytorch_lightning", "lightning_fabric")
+_DOORS = "doors"
 
 
 class _AfterLightning(importlib.abc.MetaPathFinder):
-    """Wraps the loader of ``lightning`` / ``pytorch_lightning`` so that their Trainer is patched once imported.
+    """Wraps the loader of each of :data:`_NAMESPACES` so that its Trainer and Fabric are patched once imported.
 
     The same shape as ``_standalone._AfterImport``, written again: this file runs before the package may be imported
     (importing it imports Lightning), so it can import nothing of the package's.
@@ -64,9 +68,31 @@ class _ThenPatch(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        from lightning_ddp_amp.commands.compare import patching
+        global _patching
+        plan_file = os.environ[PLAN_VARIABLE]
+        if not _patching:
+            _mark_imported(os.path.dirname(plan_file), module.__name__)
+        if module.__name__ == "lightning_fabric" and "pytorch_lightning" in sys.modules:
+            return  # pytorch_lightning is importing it, and patches its Fabric once imported itself
+        outer, _patching = _patching, True
+        try:
+            from lightning_ddp_amp.commands.compare import patching
 
-        patching.patch(module.__name__, os.environ[PLAN_VARIABLE])
+            patching.patch(module.__name__, plan_file)
+        finally:
+            _patching = outer
+
+
+#: True while a patch runs: what it imports itself (the package imports ``lightning``; ``lightning_fabric``'s flavour,
+#: ``pytorch_lightning``) is patched too, but is no import of the script's.
+_patching = False
+
+
+def _mark_imported(folder: str, namespace: str) -> None:
+    """Leave ``doors/imported-{namespace}`` in the run's folder."""
+    os.makedirs(os.path.join(folder, _DOORS), exist_ok=True)
+    with open(os.path.join(folder, _DOORS, f"imported-{namespace}"), "a"):
+        pass
 
 
 def _record_uncaught(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:

@@ -1,0 +1,304 @@
+"""Inside each run of ``lightning-ddp-amp compare``: what each optimizer step did, kept the same way whichever door
+(a Trainer's ``fit`` or a Fabric's kept loop) the script trains through.
+
+:class:`Recorder` knows the run's plan and nothing of Lightning: the door's glue
+(:mod:`~lightning_ddp_amp.commands.compare.recording` for the Trainer,
+:mod:`~lightning_ddp_amp.commands.compare.fabric_recording` for Fabric) calls it at each point of a step. Per step it
+keeps, on the device: the loss (the sum of the losses given to backward since the previous step, per ``loss_id``),
+the global norm of the gradients of what the optimizer steps (before clipping, after unscaling), the loss scale,
+whether the step was skipped, the learning rate and the step's time (CUDA events on a GPU). One value is read back per
+step, and only while overflows are still located: whether the gradient norm is finite (as loss scalers read their
+overflow flag). The rest stays on the device until the run ends (:meth:`Recorder.rank_record`).
+
+At the plan's snapshot steps the baseline's rank 0 saves its weights and any other run's rank 0 measures its
+distance to them (:meth:`Recorder.snapshot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import resource
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_ddp_amp.commands.compare import run_folder
+from lightning_ddp_amp.commands.compare.run_folder import START_WEIGHTS, Plan, snapshot_file
+from lightning_ddp_amp.commands.compare.schema import CUDA_MAX_MEMORY_ALLOCATED, PROCESS_MAX_RSS, Evaluation
+from lightning_ddp_amp.commands.compare.summary import weight_distance
+from lightning_ddp_amp.commands.compare.tensors import fp32, hash_tensors, one_ulp_up
+
+
+@dataclasses.dataclass
+class Changes:
+    """What the patched Trainer or Fabric changed, as rank 0 says it and the report lists it."""
+
+    replaced: list[str] = dataclasses.field(default_factory=list)
+    turned_off: list[str] = dataclasses.field(default_factory=list)
+    door: str = "Trainer"
+
+    def describe(self, candidate: str) -> str:
+        lines = [f"lightning-ddp-amp compare [{candidate}]: this run's {self.door} was changed:"]
+        lines += [f"  {line}" for line in self.replaced]
+        lines += [f"  turned off {name}: it cannot write into the candidate's folder" for name in self.turned_off]
+        return "\n".join(lines)
+
+
+def ran_as(plugin: Any) -> str:
+    """What a precision plugin trains with, in a few words: ``"native amp O1"``, ``"MixedPrecision 16-mixed"``."""
+    if hasattr(plugin, "amp_backend"):
+        return f"{plugin.backend} amp {plugin.opt_level}"
+    return f"{type(plugin).__name__} {getattr(plugin, 'precision', '')}".strip()
+
+
+class Recorder:
+    """The series of one rank of a compare run, and what is computed from them.
+
+    Args:
+        plan: The run's plan.
+        changes: What the door's arguments were changed to; the record lists them.
+    """
+
+    def __init__(self, plan: Plan, changes: Changes) -> None:
+        self.plan = plan
+        self.changes = changes
+        self.weights_hash: str | None = None
+        self.batch_hash: str | None = None
+        self._module_hashes: list[str] = []
+        self._pending_loss: dict[int, Tensor] = {}  # per loss_id, since the previous step
+        self._pending_scale: Tensor | float | None = None
+        self._loss: list[Tensor] = []
+        self._loss_by_id: list[dict[int, Tensor]] = []
+        self._grad_norm: list[Tensor] = []
+        self.loss_scale: list[Tensor | float | None] = []
+        self._skipped: list[Tensor | bool] = []
+        self._lr: list[float] = []
+        self.step: list[int] = []
+        self._times: list[tuple[Any, Any]] = []
+        self.overflows: list[dict[str, Any]] = []
+        self.distances: list[tuple[int, float | None]] = []  # (global step, weight distance to the baseline's)
+        self._snapshot_steps: list[int] = []  # the global steps the weights were measured at
+        self._snapshots_reached: list[int] = []  # the plan's snapshots those measurements stand for
+        self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
+        self.evaluations: list[Evaluation] = []
+        self._document: dict[str, Any] | None = None
+
+    # -- the start ---------------------------------------------------------------------------------------------------
+
+    def started(self, module: Any, rank: int, prefix: str = "") -> None:
+        """A model's weights as the run starts, before any cast or broadcast: hashed, saved by the baseline's rank 0,
+        moved one ulp up for the noise floor. Several models (a Fabric loop's) each come once, named by ``prefix``;
+        the run's hash is then the hash of theirs in order."""
+        state = {f"{prefix}{name}": tensor for name, tensor in module.state_dict().items()}
+        self._module_hashes.append(hash_tensors(state))
+        joined = hashlib.sha256(":".join(self._module_hashes).encode()).hexdigest()
+        self.weights_hash = self._module_hashes[0] if len(self._module_hashes) == 1 else joined
+        if self.plan.save_start and rank == 0:
+            path = Path(self.plan.directory) / START_WEIGHTS
+            before = torch.load(path, map_location="cpu") if prefix and path.is_file() else {}
+            torch.save({**before, **fp32(state)}, path)
+        if self.plan.perturb:
+            one_ulp_up(module)
+
+    # -- a step ------------------------------------------------------------------------------------------------------
+
+    def backward(self, loss: Tensor, plugin: Any, loss_id: int = 0) -> None:
+        """A loss handed to backward; the step's first backward also keeps the scale it runs under (apex updates it
+        as its backward ends, torch's scaler at ``step()``)."""
+        loss = loss.detach().float()
+        if not self._pending_loss:
+            self._pending_scale = loss_scale(plugin)
+        pending = self._pending_loss.get(loss_id)
+        self._pending_loss[loss_id] = loss if pending is None else pending + loss
+
+    def has_pending_loss(self) -> bool:
+        """Whether a loss was handed to backward since the previous step."""
+        return bool(self._pending_loss)
+
+    def before_step(self, optimizer: Any, step: int, plugin: Any, device: torch.device, *, check: bool) -> bool:
+        """Keep what ``optimizer`` is about to step with; returns whether its gradients overflowed, read from the
+        device only when ``check`` (the door still locates overflows)."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) for grad in grads]
+        device = grads[0].device if grads else device
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+        self._grad_norm.append(norm)
+        losses, self._pending_loss = self._pending_loss, {}
+        total = sum(losses.values()) if losses else torch.full((), float("nan"), device=device)
+        self._loss.append(total)  # type: ignore[arg-type]
+        self._loss_by_id.append(losses)
+        self.loss_scale.append(self._pending_scale if losses else loss_scale(plugin))
+        self._pending_scale = None
+        self._lr.append(float(optimizer.param_groups[0]["lr"]))
+        self.step.append(step)
+        # The one device read per step: whether this step's gradients are finite (loss scalers read as much).
+        return (
+            check
+            and not bool(torch.isfinite(norm))
+            and not all(bool(torch.isfinite(grad).all()) for grad in grads)  # not only the norm overflowing fp32
+        )
+
+    def after_step(self, index: int, optimizer: Any, plugin: Any, scale_after: Tensor | float | None) -> None:
+        """Whether step ``index`` was skipped: AmpPrecision says so; torch's scaler backs off exactly when it skipped
+        a step (``scale_after``: the scale once the step ran)."""
+        scale = self.loss_scale[index]
+        if hasattr(plugin, "step_skipped"):
+            self._skipped.append(bool(plugin.step_skipped(optimizer)))
+        elif isinstance(scale, Tensor) and isinstance(scale_after, Tensor):
+            self._skipped.append(scale_after < scale)
+        else:
+            self._skipped.append(False)
+
+    def timed(self, opened: Any, closed: Any) -> None:
+        """The time of the step last closed, from :func:`now` values."""
+        self._times.append((opened, closed))
+
+    def pad_series(self) -> None:
+        """A step outside a training batch (an optimizer stepped in another hook) has no batch time or skip flag."""
+        missing = len(self.step) - len(self._skipped)
+        self._skipped += [False] * missing
+        self._times += [(None, None)] * max(0, len(self.step) - len(self._times))
+
+    # -- along the way -----------------------------------------------------------------------------------------------
+
+    def snapshots_due(self, done: int) -> bool:
+        """Whether ``done`` steps reach a plan snapshot not measured yet (steps go up by more than one where two
+        optimizers step in a batch); marks them measured."""
+        due = [step for step in self.plan.snapshots if step <= done and step not in self._snapshots_reached]
+        if due:
+            self._snapshots_reached += due
+            self._snapshot_steps.append(done)
+        return bool(due)
+
+    def snapshot(self, weights: Callable[[], dict[str, Tensor]], done: int, rank: int) -> None:
+        """The baseline keeps its weights after ``done`` steps; any other run measures how far it is from them."""
+        if rank != 0 or self.plan.baseline_directory is None:
+            return
+        state = fp32(weights())
+        folder = Path(self.plan.baseline_directory)
+        if self.plan.save_start:
+            torch.save(state, folder / snapshot_file(done))
+            return
+        try:
+            base = torch.load(folder / snapshot_file(done), map_location="cpu")
+            if self._baseline_start is None:
+                self._baseline_start = torch.load(folder / START_WEIGHTS, map_location="cpu")
+        except FileNotFoundError:  # the baseline stopped earlier
+            return
+        self.distances.append((done, weight_distance(state, base, self._baseline_start)))
+
+    def add_evaluation(self, evaluation: Evaluation) -> None:
+        """Keep a validation, test or logged run's metrics; a record already written is rewritten with them."""
+        self.evaluations.append(evaluation)
+        if self._document is not None:
+            self._write()
+
+    # -- the record --------------------------------------------------------------------------------------------------
+
+    def header(self, ran_as: str, world_size: int) -> dict[str, Any]:
+        """What ``record.json`` says of the run besides its ranks."""
+        return {
+            "candidate": self.plan.candidate,
+            "precision": self.plan.precision,
+            "world_size": world_size,
+            "ran_as": ran_as,
+            # torchrun --max-restarts: an attempt that failed wrote nothing; this one's series starts where it did.
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "replaced": self.changes.replaced,
+            "turned_off": self.changes.turned_off,
+        }
+
+    def write_record(self, header: dict[str, Any], records: Sequence[dict[str, Any]]) -> None:
+        """Write ``record.json`` with every rank's record; later evaluations rewrite it."""
+        self._document = {**header, "ranks": sorted(records, key=lambda r: r["rank"])}
+        self._write()
+
+    def document(self) -> dict[str, Any]:
+        """The record as written: the header and ranks given, then what was added since."""
+        assert self._document is not None
+        return {**self._document, "evaluations": self.evaluations, "weight_distances": self.distances}
+
+    def _write(self) -> None:
+        run_folder.write_record(Path(self.plan.directory), self.document())
+
+    def rank_record(self, rank: int, device: torch.device) -> dict[str, Any]:
+        """This rank's series, read back from the device once."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            times = [math.nan if start is None else start.elapsed_time(end) / 1000 for start, end in self._times]
+            peak = int(torch.cuda.max_memory_allocated(device))
+        else:
+            times = [math.nan if start is None else end - start for start, end in self._times]
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        record: dict[str, Any] = {
+            "rank": rank,
+            "weights_hash": self.weights_hash,
+            "batch_hash": self.batch_hash,
+            "step": self.step,
+            "loss": floats(self._loss),
+            "grad_norm": floats(self._grad_norm),
+            "loss_scale": [None if s is None else float(s) for s in self.loss_scale],
+            "skipped": [bool(s) for s in self._skipped],
+            "lr": self._lr,
+            "step_time_s": times,
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": CUDA_MAX_MEMORY_ALLOCATED if device.type == "cuda" else PROCESS_MAX_RSS,
+            "overflows": self.overflows,
+            # The step after each snapshot: the other ranks wait in it for rank 0, which saved or read weights.
+            "slowed_steps": list(self._snapshot_steps),
+        }
+        ids = sorted({loss_id for losses in self._loss_by_id for loss_id in losses})
+        if len(ids) > 1:  # several losses per step (num_losses): each kept beside their sum
+            nan = torch.full((), math.nan)
+            record["loss_by_id"] = {
+                str(loss_id): floats([losses.get(loss_id, nan).cpu() for losses in self._loss_by_id]) for loss_id in ids
+            }
+        return record
+
+
+def floats(values: list[Tensor]) -> list[float]:
+    return torch.stack(values).cpu().tolist() if values else []
+
+
+def now(device: torch.device) -> Any:
+    """A point in time on ``device``: a recorded CUDA event, or the host's clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def loss_scale(plugin: Any) -> Tensor | float | None:
+    """The loss scale the next backward runs under, read without a device sync; None without loss scaling."""
+    if hasattr(plugin, "amp_backend"):  # AmpPrecision keeps it on the host
+        scale: float | None = plugin.current_loss_scale
+        return scale
+    scaler = getattr(plugin, "scaler", None)  # Lightning's MixedPrecision: torch's GradScaler
+    if scaler is None:
+        return None
+    # Why the private method: get_scale() syncs. None until the scaler's first scale(), which the step-0 backward runs
+    # under: then get_scale() is the initial scale, read without a sync.
+    tensor: Tensor | None = scaler._get_scale_async()
+    if tensor is None:
+        return torch.tensor(float(scaler.get_scale())) if scaler.is_enabled() else None
+    return tensor.detach().clone()
+
+
+def trained_weights(modules: Sequence[tuple[str, Any]], plugin: Any) -> dict[str, Tensor]:
+    """The models' states, each name after its prefix, with apex O2's fp32 masters in place of the fp16 weights they
+    train (where the plugin can put them: the Trainer's AmpPrecision)."""
+    state: dict[str, Tensor] = {}
+    for prefix, module in modules:
+        own: dict[str, Tensor] = module.state_dict()
+        if hasattr(plugin, "put_fp32_masters"):
+            plugin.put_fp32_masters(own, module)
+        state.update({f"{prefix}{name}": tensor for name, tensor in own.items()})
+    return state
