@@ -250,9 +250,9 @@ MUTATIONS = (
     Mutation(
         "recording-empty-weights-hash",
         "the recording writes the hash of nothing as the starting weights', so unseeded runs seem to start alike",
-        "commands/compare/recording.py",
-        "                self.weights_hash = hash_tensors(state)\n",
-        "                self.weights_hash = hash_tensors({})\n",
+        "commands/compare/recorder.py",
+        "        self._module_hashes.append(hash_tensors(state))\n",
+        "        self._module_hashes.append(hash_tensors({}))\n",
         ("tests/test_compare.py::test_each_record_holds_the_hash_of_the_weights_its_run_started_from",),
     ),
     # --- reduce: what sync_dist logging gets back -------------------------------------------------------------
@@ -346,8 +346,8 @@ MUTATIONS = (
         "overflow-rerun-keeps-its-statistics",
         "training an overflowing step again leaves its batchnorm statistics behind: the run under compare changes",
         "commands/compare/overflow.py",
-        "                    buffer.copy_(buffers[name])\n",
-        "                    pass\n",
+        "        setattr(owner, name, buffer.detach().clone())\n",
+        "        pass\n",
         ("tests/test_overflow.py", "-k", "changes_no_weight"),
     ),
     Mutation(
@@ -361,8 +361,8 @@ MUTATIONS = (
     Mutation(
         "noise-floor-not-perturbed",
         "the noise-floor run repeats the baseline bit for bit: a floor of 0 that says nothing",
-        "commands/compare/recording.py",
-        "                if self.plan.perturb:\n                    one_ulp_up(pl_module)\n",
+        "commands/compare/recorder.py",
+        "        if self.plan.perturb:\n            one_ulp_up(module)\n",
         "",
         ("tests/test_compare.py", "-k", "noise_floor_run"),
     ),
@@ -485,6 +485,23 @@ MUTATIONS = (
             "-k",
             "envddp_ends_in_the_references_state and apex_o2 or every_parameter_on_every_rank and 2-ranks-O2",
         ),
+    ),
+    # --- compare on a kept Fabric loop --------------------------------------------------------------------------------
+    Mutation(
+        "fabric-run-not-ended-at-its-steps",
+        "a compared Fabric loop runs past --steps: every run trains the script's whole length",
+        "commands/compare/fabric_recording.py",
+        "        if done >= self.plan.first_step + self.plan.steps:\n",
+        "        if False:\n",
+        ("tests/test_compare_fabric.py", "-k", "ends_cleanly_after_its_steps"),
+    ),
+    Mutation(
+        "fabric-model-calls-not-watched",
+        "a kept loop's overflow is never located: the models' calls are not kept for the re-run",
+        "commands/compare/fabric_recording.py",
+        "        self._watching.append(self._calls.watch(module))",
+        "        self._watching.append(self._calls.watch(torch.nn.Identity()))",
+        ("tests/test_compare_fabric_runs.py::test_the_injected_overflow_is_located_in_the_example_on_every_amp_run",),
     ),
     # --- the AMP options, declared once ------------------------------------------------------------------------------
     Mutation(
