@@ -33,7 +33,6 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ddp_amp.commands.compare import overflow
@@ -214,15 +213,13 @@ class FabricRecording:
     # -- the ends ----------------------------------------------------------------------------------------------------
 
     def _end(self) -> None:
-        """``--steps`` reached: every rank writes its record, waits for the others (no rank tears the process group
-        down while rank 0 still writes), and the script stops here, its ``finally`` blocks and ``atexit`` run."""
+        """``--steps`` reached: every rank writes its record, and the script stops here, its ``finally`` blocks and
+        ``atexit`` run. No collective: each rank's record is a file of its own, which ``compare`` merges once every
+        rank has exited, and every rank reaches this step at the same point of the loop (the gradients it steps on
+        were all-reduced), so none is left waiting in one."""
         self._write()
         self._ended = True
         atexit.unregister(self._script_ended)
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() > 1:
-                dist.barrier()
-            dist.destroy_process_group()
         raise SystemExit(0)
 
     def _script_ended(self) -> None:
