@@ -43,6 +43,17 @@ from lightning_ddp_amp.errors import CompareScriptError
 from lightning_ddp_amp.fabric import AmpPrecision
 
 
+@pytest.fixture(autouse=True)
+def unpatched_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's own ``Fabric.__init__`` for each test: test_compare.py's in-process runs of compare's ``patch``
+    change the real class, as a run does, and a patched ``__init__`` inherited by these tests' subclasses would apply
+    its own plan after theirs."""
+    init = Fabric.__init__
+    while getattr(init, "__lightning_ddp_amp_compare__", False):
+        init = init.__wrapped__  # type: ignore[attr-defined]
+    monkeypatch.setattr(Fabric, "__init__", init)
+
+
 def patched_fabric(tmp_path: Path, precision: str) -> type[Fabric]:
     """A subclass of Fabric, patched as a run of ``precision`` patches the script's."""
 

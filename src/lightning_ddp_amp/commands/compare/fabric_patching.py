@@ -51,7 +51,7 @@ def fabric_door(fabric_namespace: Any) -> Door:
 def patch_fabric(fabric_namespace: Any, plan: Plan) -> None:
     """Patch ``Fabric.__init__`` of ``fabric_namespace`` as the module docstring lists. Idempotent."""
     fabric_class = fabric_namespace.Fabric
-    if getattr(fabric_class.__init__, _MARK, False):
+    if getattr(vars(fabric_class).get("__init__"), _MARK, False):  # its own: a subclass of a patched Fabric too
         return
     door = fabric_door(fabric_namespace)
     init = fabric_class.__init__
