@@ -1258,13 +1258,15 @@ def test_apex_ddp_refuses_a_second_backward_without_a_forward(apex_ddp_ranks: li
 @pytest.fixture
 def one_rank_apex_ddp(apex_double: ModuleType) -> Iterator[type[torch.nn.Module]]:
     """The double's apex DistributedDataParallel class, inside a one-rank gloo group of this process."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     from apex.parallel import DistributedDataParallel
 
+    from lightning_ddp_amp.launch.process_group import destroy_process_group  # torch 2.1's teardown hang: see above
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         yield DistributedDataParallel
     finally:
-        torch.distributed.destroy_process_group()
+        destroy_process_group()
 
 
 class TwoHeads(torch.nn.Module):

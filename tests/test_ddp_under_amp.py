@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp import AmpPrecision, EnvDDPStrategy, PrecisionConfigurationError, StrategyConfigurationError
+from lightning_ddp_amp.launch.process_group import destroy_process_group
 
 
 def trainer(**kwargs: Any) -> L.Trainer:
@@ -37,7 +38,7 @@ def one_rank_group() -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def ddp_built_by(strategy: EnvDDPStrategy) -> DistributedDataParallel:

@@ -38,6 +38,7 @@ from lightning_ddp_amp import rank_zero
 from lightning_ddp_amp.errors import PrecisionConfigurationError, StrategyConfigurationError
 from lightning_ddp_amp.fabric import AmpPrecision, EnvDDPStrategy, setup_models
 from lightning_ddp_amp.launch.environment import read_topology
+from lightning_ddp_amp.launch.process_group import destroy_process_group
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -658,4 +659,4 @@ def test_a_one_rank_group_the_script_started_is_trained_on_without_saying_there_
         said = [record.getMessage() for record in caplog.records]
         assert [line for line in said if "so no process group" in line] == []
     finally:
-        torch.distributed.destroy_process_group()
+        destroy_process_group()

@@ -28,6 +28,7 @@ from lightning_ddp_amp import (
 )
 from lightning_ddp_amp.amp.native_backend import NativeAmp
 from lightning_ddp_amp.fabric import AmpPrecision as FabricAmpPrecision
+from lightning_ddp_amp.launch.process_group import destroy_process_group
 
 DATA = TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.randn(32, 1))
 
@@ -448,14 +449,12 @@ def test_native_min_loss_scale_floors_the_scaler_after_an_overflow(no_apex: None
 
 @needs_cpu_fp16
 def test_native_runs_under_lightnings_own_ddp(no_apex: None) -> None:
-    import torch.distributed as dist
 
     model = TwoModels()
     try:
         t = fit(model, strategy="ddp", devices=1, precision="amp-O1")
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()
     assert model.hidden_dtypes == {torch.float16}
     assert t.global_step == 8
 

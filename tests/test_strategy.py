@@ -509,7 +509,7 @@ def script_group(request: pytest.FixtureRequest) -> Iterator[Any]:
     dist.init_process_group(getattr(request, "param", "gloo"), store=dist.HashStore(), rank=0, world_size=1)
     group = dist.group.WORLD
     yield group
-    dist.destroy_process_group()
+    process_group.destroy_process_group()
 
 
 THE_SCRIPTS_GROUP = r"the process group the script started \(its dist\.init_process_group\)"
@@ -617,12 +617,12 @@ def test_only_a_group_envddp_did_not_start_counts_as_the_scripts() -> None:
     try:
         assert not process_group.started_by_script()
     finally:
-        dist.destroy_process_group()
+        process_group.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert process_group.started_by_script()
     finally:
-        dist.destroy_process_group()
+        process_group.destroy_process_group()
     assert not process_group.started_by_script()
 
 
