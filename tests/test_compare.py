@@ -44,7 +44,14 @@ from lightning_ddp_amp.commands.compare import schema as compare_schema
 from lightning_ddp_amp.commands.compare import summary as compare_summary
 from lightning_ddp_amp.commands.compare import verdict as compare_verdict
 from lightning_ddp_amp.commands.compare.candidate import Candidate
-from lightning_ddp_amp.commands.compare.run_folder import FINAL_WEIGHTS, PLAN_VARIABLE, RECORD_FILE, Plan, snapshot_file
+from lightning_ddp_amp.commands.compare.run_folder import (
+    FINAL_WEIGHTS,
+    PLAN_VARIABLE,
+    RECORD_FILE,
+    START_WEIGHTS,
+    Plan,
+    snapshot_file,
+)
 from lightning_ddp_amp.commands.compare.tolerance import Metric, Tolerance
 
 REPO = Path(__file__).parent.parent
@@ -1146,6 +1153,137 @@ def test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both(
 ) -> None:
     summary = {"final_loss_relative_difference": final, "weight_distance": distance}
     assert compare_verdict.verdict(summary, Tolerance(loss=0.02, weights=0.05))[0] == status
+
+
+#: A GAN's steps (apex's DCGAN example, num_losses=3): the discriminator's losses on real and fake images (loss_id 0
+#: and 1) before its optimizer's step, the generator's (loss_id 2) before the next.
+GAN_STEPS = [{0: 0.7, 1: 0.6} if step % 2 == 0 else {2: 1.5} for step in range(20)]
+
+
+def recorded_losses(root: Path, name: str, *ranks: list[dict[int, float]]) -> Candidate:
+    """A run whose ranks' records a Recorder kept, each step given the losses of its ``{loss_id: loss}``: the report's
+    input as a run writes it, without a process. Every such run starts and ends in the same weights."""
+    folder = root / name
+    folder.mkdir()
+    recorders, records = [], []
+    for rank, steps in enumerate(ranks):
+        recorder = compare_recorder.Recorder(Plan(name, "32-true", len(steps), str(folder)), compare_recorder.Changes())
+        recorder.weights_hash = recorder.batch_hash = "0" * 64
+        weight = torch.nn.Parameter(torch.zeros(1))
+        weight.grad = torch.ones(1)
+        optimizer, plugin = torch.optim.SGD([weight], lr=0.1), object()  # a plugin without a loss scale
+        for index, losses in enumerate(steps):
+            for loss_id, loss in losses.items():
+                recorder.backward(torch.tensor(loss), plugin, loss_id)
+            recorder.before_step(optimizer, index, plugin, torch.device("cpu"), check=False)
+            recorder.after_step(index, optimizer, plugin, None)
+            recorder.timed(0.0, 0.001)
+        recorders.append(recorder)
+        records.append(recorder.rank_record(rank, torch.device("cpu")))
+    recorders[0].write_record(recorders[0].header("Precision 32-true", len(ranks)), records)
+    torch.save({"w": torch.zeros(1)}, folder / START_WEIGHTS)
+    torch.save({"w": torch.ones(1)}, folder / FINAL_WEIGHTS)
+    return Candidate(name, "32-true", ["python", "t.py", "--run", name], folder, returncode=0)
+
+
+def test_a_loss_id_apart_makes_the_run_apart_though_the_sum_of_the_losses_is_close(tmp_path: Path) -> None:
+    # The generator's loss (loss_id 2) doubles; the step's loss, whose larger part is the discriminator's, moves 0.5%.
+    base = recorded_losses(tmp_path, "base", [{0: 10.0, 1: 10.0, 2: 0.1}] * 10)
+    other = recorded_losses(tmp_path, "other", [{0: 10.0, 1: 10.0, 2: 0.2}] * 10)
+    report = compare_report.build([base, other], Tolerance(), steps=10, argv=[])
+    entry = candidate(report, "other")
+    summary = entry["summary"]
+    assert summary["final_loss_relative_difference"] == pytest.approx(0.1 / 20.1, rel=1e-5)
+    assert summary["loss_by_id"].keys() == {"0", "1", "2"}
+    assert summary["loss_by_id"]["2"]["final_loss_relative_difference"] == pytest.approx(1.0, rel=1e-5)
+    assert summary["loss_by_id"]["0"]["max_relative_loss_difference"] == 0.0
+    assert entry["status"] == "apart"
+    assert entry["reason"] == "final loss of loss_id 2 100% from the baseline's (tolerance 2%)"
+    assert compare_report.write(report, tmp_path) == 1
+    assert_matches(json.loads((tmp_path / "compare.json").read_text()), SCHEMA)
+
+
+def test_each_loss_id_has_its_row_under_the_final_loss_in_every_block(tmp_path: Path) -> None:
+    base = recorded_losses(tmp_path, "base", [{0: 10.0, 1: 10.0, 2: 0.1}] * 10)
+    other = recorded_losses(tmp_path, "other", [{0: 10.0, 1: 10.0, 2: 0.2}] * 10)
+    shown = terminal.render(compare_report.build([base, other], Tolerance(), steps=10, argv=[]))
+    rows = block(shown, "other")
+    at = next(i for i, line in enumerate(rows) if line.startswith("  final loss "))
+    assert rows[at + 1 : at + 4] == [
+        "    loss_id 0       10 (0% from the baseline's; per step max 0%, mean 0%)",
+        "    loss_id 1       10 (0% from the baseline's; per step max 0%, mean 0%)",
+        "    loss_id 2       0.2 (100% from the baseline's; per step max 100%, mean 100%)",
+    ]
+    assert block(shown, "base")[2:6] == [
+        "  final loss        20.1",
+        "    loss_id 0       10",
+        "    loss_id 1       10",
+        "    loss_id 2       0.1",
+    ]
+
+
+def test_a_step_without_a_loss_id_is_null_where_an_overflowed_loss_of_it_is_nan(tmp_path: Path) -> None:
+    overflowed = [dict(losses) for losses in GAN_STEPS]
+    overflowed[4][0] = math.nan  # errD_real overflows at step 4, on rank 0
+    rank1 = [{loss_id: loss + 1 for loss_id, loss in losses.items()} for losses in GAN_STEPS]
+    base = recorded_losses(tmp_path, "base", GAN_STEPS, rank1)
+    other = recorded_losses(tmp_path, "other", overflowed, rank1)
+    recorded = json.loads((other.directory / RECORD_FILE).read_text())["ranks"][0]["loss_by_id"]
+    assert [loss is None for loss in recorded["0"][:5]] == [False, True, False, True, False]
+    assert math.isnan(recorded["0"][4]) and recorded["2"][:2] == [None, pytest.approx(1.5)]
+    report = compare_report.build([base, other], Tolerance(), steps=20, argv=[])
+    series, summary = candidate(report, "other")["series"], candidate(report, "other")["summary"]
+    # Each id's loss is the mean over the ranks, None at the steps that gave none of it.
+    assert series["loss_by_id"]["2"][:2] == [None, pytest.approx(2.0)]
+    assert math.isnan(series["loss_by_id"]["0"][4])
+    # The steps without an id are left out of its comparison; its overflowed step is not.
+    assert candidate(report, "base")["summary"]["loss_by_id"]["2"]["max_relative_loss_difference"] == 0.0
+    assert summary["loss_by_id"]["0"]["max_relative_loss_difference"] == math.inf
+    assert summary["loss_by_id"]["1"]["max_relative_loss_difference"] == 0.0
+    assert summary["loss_by_id"]["2"]["final_loss"] == pytest.approx(2.0)
+    assert candidate(report, "other")["status"] == "close"  # each id's last step (18 for 0 and 1, 19 for 2) agrees
+
+
+def test_identical_needs_each_loss_id_at_each_step_not_only_their_sum(tmp_path: Path) -> None:
+    overflowed = [dict(losses) for losses in GAN_STEPS]
+    overflowed[4][0] = math.nan
+    swapped = [{0: 2.0, 1: 1.0}] * 10
+    runs = [
+        recorded_losses(tmp_path, "base", [{0: 1.0, 1: 2.0}] * 10),
+        recorded_losses(tmp_path, "swapped", swapped),
+        recorded_losses(tmp_path, "gan", overflowed),
+        recorded_losses(tmp_path, "gan-again", overflowed),
+    ]
+    report = compare_report.build(runs, Tolerance(), steps=10, argv=[])
+    assert candidate(report, "swapped")["summary"]["final_loss_relative_difference"] == 0.0
+    assert candidate(report, "swapped")["status"] == "apart"
+    assert candidate(report, "swapped")["reason"] == (
+        "final loss of loss_id 0 100%, loss_id 1 50% from the baseline's (tolerance 2%)"
+    )
+    # A NaN loss of an id, at the same step in both runs, is the same as a NaN; a step without it is the same too.
+    again = compare_report.build(runs[2:], Tolerance(), steps=20, argv=[])
+    assert candidate(again, "gan-again")["status"] == "identical"
+
+
+def test_a_run_with_one_loss_id_has_no_loss_id_in_its_record_series_summary_or_block(tmp_path: Path) -> None:
+    runs = [recorded_losses(tmp_path, name, [{0: 1.0 + step} for step in range(10)]) for name in ("base", "other")]
+    assert "loss_by_id" not in json.loads((runs[0].directory / RECORD_FILE).read_text())["ranks"][0]
+    report = compare_report.build(runs, Tolerance(), steps=10, argv=[])
+    for entry in report["candidates"]:
+        assert entry["series"]["loss_by_id"] == {} and entry["summary"]["loss_by_id"] == {}
+    assert "loss_id" not in terminal.render(report)
+
+
+def test_a_loss_id_that_only_one_run_gave_is_apart_and_said(tmp_path: Path) -> None:
+    base = recorded_losses(tmp_path, "base", GAN_STEPS)
+    other = recorded_losses(tmp_path, "other", [{0: 0.7, 1: 0.6} if s % 2 == 0 else {3: 1.5} for s in range(20)])
+    report = compare_report.build([base, other], Tolerance(), steps=20, argv=[])
+    entry = candidate(report, "other")
+    assert entry["status"] == "apart"
+    assert entry["reason"] == (
+        "no step where both runs gave a loss of loss_id 2; no step where both runs gave a loss of loss_id 3"
+    )
+    assert "    loss_id 3       no step where both runs gave it" in block(terminal.render(report), "other")
 
 
 def test_a_run_that_ends_without_a_record_says_why_there_may_be_none(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import lightning.fabric
+import lightning.pytorch
 import pytest
 import torch
 from conftest import needs_cpu_fp16, worker_env
@@ -28,7 +30,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins import HalfPrecision, MixedPrecision
 
 from lightning_ddp_amp.commands.compare import command as compare
-from lightning_ddp_amp.commands.compare import doors, run_folder
+from lightning_ddp_amp.commands.compare import doors, run_files, run_folder
 from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.fabric_patching import PRECISION_VARIABLE, changes_of, patch_fabric
 from lightning_ddp_amp.commands.compare.run_folder import (
@@ -40,7 +42,7 @@ from lightning_ddp_amp.commands.compare.run_folder import (
 )
 from lightning_ddp_amp.commands.compare.tensors import hash_tensors
 from lightning_ddp_amp.errors import CompareScriptError
-from lightning_ddp_amp.fabric import AmpPrecision
+from lightning_ddp_amp.fabric import AmpPrecision, setup_models
 
 
 @pytest.fixture(autouse=True)
@@ -54,19 +56,30 @@ def unpatched_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Fabric, "__init__", init)
 
 
+def script_namespace(fabric_class: type[Fabric]) -> SimpleNamespace:
+    """``lightning.fabric`` as the patch reads it, with ``fabric_class`` as its Fabric."""
+    return SimpleNamespace(
+        __name__="lightning.fabric",
+        Fabric=fabric_class,
+        plugins=lightning.fabric.plugins,
+        loggers=lightning.fabric.loggers,
+    )
+
+
 def patched_fabric(tmp_path: Path, precision: str) -> type[Fabric]:
     """A subclass of Fabric, patched as a run of ``precision`` patches the script's."""
 
     class ScriptFabric(Fabric):
         pass
 
-    namespace = SimpleNamespace(__name__="lightning.fabric", Fabric=ScriptFabric, plugins=lightning.fabric.plugins)
+    namespace = script_namespace(ScriptFabric)
     patch_fabric(namespace, Plan("run", precision, steps=4, directory=str(tmp_path)))
     return ScriptFabric
 
 
 def changes(fabric: Fabric) -> list[str]:
-    return changes_of(fabric).replaced
+    """The changes listed, but the one every Fabric of a run has: where ``fabric.save`` writes (tested below)."""
+    return [line for line in changes_of(fabric).replaced if not line.startswith("fabric.save(")]
 
 
 @needs_cpu_fp16
@@ -143,6 +156,133 @@ def test_fabric_runs_precision_variable_is_removed_so_that_the_runs_precision_wi
     ]
 
 
+# -- the run's files in its folder: loggers and fabric.save / load ----------------------------------------------------
+
+HAS_TENSORBOARD = any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX"))
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The script's working directory, beside the run's folder ``tmp_path / "run"``."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    return tmp_path / "work"
+
+
+def run_fabric(tmp_path: Path, **arguments: Any) -> Fabric:
+    """A Fabric the script builds with ``arguments`` in a run whose folder is ``tmp_path / "run"``, at the run's own
+    precision (no change to list)."""
+    return patched_fabric(tmp_path / "run", "32-true")(accelerator="cpu", devices=1, precision="32-true", **arguments)
+
+
+@pytest.mark.parametrize(
+    "logger_class",
+    [
+        lightning.fabric.loggers.CSVLogger,
+        pytest.param(
+            lightning.fabric.loggers.TensorBoardLogger,
+            marks=pytest.mark.skipif(not HAS_TENSORBOARD, reason="neither tensorboard nor tensorboardX is installed"),
+        ),
+        lightning.pytorch.loggers.CSVLogger,  # a subclass of Fabric's, its folder named save_dir
+    ],
+)
+def test_csv_and_tensorboard_loggers_are_built_again_writing_into_the_runs_logs(
+    logger_class: type[Any], tmp_path: Path, work: Path
+) -> None:
+    fabric = run_fabric(tmp_path, loggers=logger_class("script_logs", name="mine"))
+    (logger,) = fabric.loggers
+    assert type(logger) is logger_class
+    fabric.log("loss", 1.0, step=0)
+    logger.finalize("success")
+    logs = tmp_path / "run" / "logs"
+    written = [path.relative_to(logs).parts[:2] for path in logs.rglob("*") if path.is_file()]
+    assert written and set(written) == {("mine", "version_0")}
+    assert not (work / "script_logs").exists()
+    assert changes(fabric) == [f"{logger_class.__name__} writes to {str(logs)!r}"]
+
+
+def test_any_other_logger_is_turned_off_and_its_experiment_swallows_what_the_script_calls(
+    tmp_path: Path, work: Path
+) -> None:
+    class Remote(lightning.fabric.loggers.Logger):
+        name, version = "remote", 0
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            raise AssertionError("the remote logger was called")
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("the remote logger was called")
+
+    fabric = run_fabric(tmp_path, loggers=Remote())
+    fabric.log("loss", 1.0)
+    fabric.logger.log_hyperparams({"lr": 0.1})
+    fabric.logger.experiment.anything("image", step=3).deeper[0].call()  # a W&B run's calls, swallowed
+    assert isinstance(fabric.logger, lightning.fabric.loggers.Logger) and not isinstance(fabric.logger, Remote)
+    assert fabric.logger.root_dir == str(tmp_path / "run" / "logs")
+    assert not (tmp_path / "run" / "logs").exists()  # it writes nothing
+    assert changes_of(fabric).turned_off == ["Remote"]
+    assert "turned off Remote: it cannot write into the candidate's folder" in changes_of(fabric).describe("run")
+
+
+def test_fabric_save_writes_into_the_runs_files_and_fabric_load_reads_that_copy_back(
+    tmp_path: Path, work: Path
+) -> None:
+    fabric = run_fabric(tmp_path)
+    model = torch.nn.Linear(2, 1)
+    saved = model.weight.detach().clone()
+    fabric.save("ckpt/last.ckpt", {"model": model, "epoch": 3})
+    assert (tmp_path / "run" / "files" / "ckpt" / "last.ckpt").is_file()
+    assert not (work / "ckpt").exists()
+    torch.nn.init.zeros_(model.weight)
+    assert fabric.load("ckpt/last.ckpt", {"model": model}) == {"epoch": 3}
+    assert torch.equal(model.weight, saved)
+
+
+def test_a_load_reads_the_runs_copy_over_the_scripts_file_and_the_scripts_file_where_the_run_saved_none(
+    tmp_path: Path, work: Path
+) -> None:
+    torch.save({"epoch": 7}, work / "given.ckpt")  # the checkpoint a script is handed (--resume PATH)
+    torch.save({"weight": torch.zeros(1, 2), "bias": torch.zeros(1)}, work / "weights.pt")
+    fabric = run_fabric(tmp_path)
+    assert fabric.load("given.ckpt") == {"epoch": 7}
+    model = torch.nn.Linear(2, 1)
+    fabric.save("weights.pt", model.state_dict())
+    loaded = torch.nn.Linear(2, 1)
+    fabric.load_raw("weights.pt", loaded)
+    assert torch.equal(loaded.weight, model.weight)  # the run's copy, not the script's zeros
+    assert torch.equal(torch.load(work / "weights.pt")["weight"], torch.zeros(1, 2))
+
+
+def test_paths_outside_the_working_directory_and_urls_are_kept_under_files_absolute(tmp_path: Path, work: Path) -> None:
+    run = tmp_path / "run"
+    fabric = run_fabric(tmp_path)
+    elsewhere = tmp_path / "elsewhere" / "last.ckpt"
+    fabric.save(elsewhere, {"epoch": 1})
+    fabric.save("../climbed.ckpt", {"epoch": 2})
+    absolute = run / "files-absolute" / Path(*tmp_path.parts[1:])
+    assert torch.load(absolute / "elsewhere" / "last.ckpt") == {"epoch": 1}
+    assert torch.load(absolute / "climbed.ckpt") == {"epoch": 2}
+    assert not elsewhere.exists() and not (tmp_path / "climbed.ckpt").exists()
+    assert run_files.run_copy("s3://bucket/ckpt/../../../last.ckpt", str(run)) == str(
+        run / "files-absolute" / "s3" / "last.ckpt"
+    )
+
+
+def test_each_path_saved_is_listed_once_after_the_rule_said_at_setup(tmp_path: Path, work: Path) -> None:
+    run = tmp_path / "run"
+    fabric = run_fabric(tmp_path)
+    (rule,) = changes_of(fabric).replaced
+    assert rule.startswith(f"fabric.save(path) -> {str(run / 'files')!r} for a path in the working directory")
+    for epoch in range(2):
+        fabric.save("ckpt/last.ckpt", {"epoch": epoch})
+    fabric.save(run / "own.ckpt", {"epoch": 0})  # already in the run's folder: saved there, no change
+    assert (run / "own.ckpt").is_file()
+    assert changes_of(fabric).replaced == [
+        rule,
+        f"fabric.save('ckpt/last.ckpt') -> {str(run / 'files' / 'ckpt' / 'last.ckpt')!r}",
+    ]
+
+
 # -- the recording of a kept loop, in one process (no launch) ------------------------------------------------------
 
 
@@ -157,25 +297,31 @@ def at_exit(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
     return registered
 
 
-def recorded_fabric(tmp_path: Path, steps: int = 3, **plan: Any) -> Fabric:
-    """A Fabric built in a run of ``steps`` steps, the baseline of ``tmp_path``, recorded."""
-    run = Plan("run", "32-true", steps=steps, directory=str(tmp_path), baseline_directory=str(tmp_path), **plan)
+def recorded_fabric(
+    tmp_path: Path, steps: int = 3, precision: str = "32-true", strategy: str = "auto", **plan: Any
+) -> Fabric:
+    """A Fabric built in a run of ``steps`` steps at ``precision``, the baseline of ``tmp_path``, recorded."""
+    run = Plan("run", precision, steps=steps, directory=str(tmp_path), baseline_directory=str(tmp_path), **plan)
 
     class ScriptFabric(Fabric):
         pass
 
-    namespace = SimpleNamespace(__name__="lightning.fabric", Fabric=ScriptFabric, plugins=lightning.fabric.plugins)
+    namespace = script_namespace(ScriptFabric)
     patch_fabric(namespace, run)
-    return ScriptFabric(accelerator="cpu", devices=1)
+    return ScriptFabric(strategy=strategy, accelerator="cpu", devices=1)
 
 
-def train(fabric: Fabric, batches: int, log: bool = True) -> list[float]:
-    """A kept loop of two models and one optimizer, logging ``val_acc`` after each step; the losses it trained on."""
+def train(fabric: Fabric, batches: int, log: bool = True, together: bool = False) -> list[float]:
+    """A kept loop of two models and one optimizer, logging ``val_acc`` after each step; the losses it trained on.
+    ``together``: the models set up with their optimizer in one call (``setup_models``, as apex needs)."""
     torch.manual_seed(0)
     encoder, head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
     optimizer = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1)
-    encoder = fabric.setup_module(encoder)
-    head, optimizer = fabric.setup(head, optimizer)
+    if together:
+        (encoder, head), optimizer = setup_models(fabric, [encoder, head], optimizer)
+    else:
+        encoder = fabric.setup_module(encoder)
+        head, optimizer = fabric.setup(head, optimizer)
     losses = []
     for batch in range(batches):
         x = torch.randn(16, 4)
@@ -239,6 +385,24 @@ def test_every_model_set_up_is_hashed_before_setup_and_named_in_the_weights(
         saved = torch.load(tmp_path / weights)
         assert sorted(saved) == ["module0.bias", "module0.weight", "module1.bias", "module1.weight"]
     assert torch.equal(torch.load(tmp_path / START_WEIGHTS)["module1.weight"], head.weight)
+
+
+@needs_cpu_fp16
+def test_under_apex_o2_the_weights_compared_are_the_fp32_masters_the_optimizer_steps(
+    tmp_path: Path, at_exit: list[Callable[[], None]], apex_double: ModuleType
+) -> None:
+    fabric = recorded_fabric(tmp_path, steps=2, precision="apex-O2", strategy="envddp", save_start=True, snapshots=(1,))
+    fabric.launch()  # one process: no ranks to start
+    with pytest.raises(SystemExit):
+        train(fabric, batches=10, log=False, together=True)
+    pairs = fabric.strategy.precision.amp_backend.master_weight_pairs()
+    assert pairs and all(weight.dtype == torch.float16 for weight, _ in pairs)
+    final, snapshot = torch.load(tmp_path / FINAL_WEIGHTS), torch.load(tmp_path / snapshot_file(1))
+    for name in ("module0.weight", "module1.weight"):
+        (weight, master) = next((w, m) for w, m in pairs if w.shape == final[name].shape)
+        assert torch.equal(final[name], master)  # the master, bit for bit: not its fp16 copy
+        assert not torch.equal(final[name], weight.float())
+        assert not torch.equal(snapshot[name], final[name])
 
 
 def test_fabric_log_and_log_dict_scalars_are_kept_as_logged_evaluations_one_per_step(

@@ -23,8 +23,9 @@ GAN = str(REPO / "tests" / "workers" / "gan_pairs.py")
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 pytestmark = pytest.mark.multiprocess
 
-#: The example's batch fed an inf (its step skips under every precision with a loss scale), and the run's length.
-BAD_BATCH, EXAMPLE_STEPS = 3, 8
+#: The example's batch fed an inf (its step skips under every precision with a loss scale), and the run's length:
+#: one step past its first epoch (16 steps on 2 ranks), after which it saves its checkpoint.
+BAD_BATCH, EXAMPLE_STEPS = 3, 17
 #: The GAN's optimizer steps on 2 ranks: 8 batches (2 epochs of 4), each stepping the discriminator and the generator.
 GAN_STEPS = 16
 
@@ -101,7 +102,15 @@ def test_every_run_records_each_step_on_both_ranks_and_stops_cleanly_at_its_step
         assert [rank["rank"] for rank in record["ranks"]] == [0, 1]
         assert all(rank["step"] == list(range(EXAMPLE_STEPS)) for rank in record["ranks"])
         assert {path.name for path in folder.glob("record-rank*.json")} == {"record-rank0.json", "record-rank1.json"}
-    assert not (Path(example.report["candidates"][0]["directory"]).parent.parent / "checkpoint.pt").exists()
+
+
+def test_the_checkpoint_the_example_saves_is_each_runs_own(example: Compared) -> None:
+    work = Path(example.report["candidates"][0]["directory"]).parent.parent
+    assert not (work / "checkpoint.pt").exists()
+    for candidate in example.report["candidates"]:
+        saved = Path(candidate["directory"], "files", "checkpoint.pt")  # compare ran in work, the script's folder
+        assert torch.load(saved, weights_only=True)["epoch"] == 1, candidate["name"]
+        assert f"fabric.save({str(work / 'checkpoint.pt')!r}) -> {str(saved)!r}" in candidate["replaced"]
 
 
 def test_the_injected_overflow_is_located_in_the_example_on_every_amp_run(example: Compared) -> None:
@@ -152,3 +161,23 @@ def test_the_gan_under_torchs_one_scaler_is_apart_from_apexs_three_and_the_repor
     native = gan.candidate("native-O1")
     assert native["status"] == "apart"
     assert "skipped on overflow" in native["reason"] and "out of phase" in native["reason"]
+
+
+def test_the_gans_three_losses_are_reported_each_on_the_steps_of_its_optimizer(gan: Compared) -> None:
+    # errD_real (loss_id 0) and errD_fake (1) come before the discriminator's steps (even), errG (2) the generator's
+    # (odd); compare.json writes a loss that was not given, and one that overflowed (steps 4 and 11), as null.
+    optimizer_steps = {
+        "0": set(range(0, GAN_STEPS, 2)),
+        "1": set(range(0, GAN_STEPS, 2)),
+        "2": set(range(1, GAN_STEPS, 2)),
+    }
+    for name in ("apex-O1", "native-O1", "apex-O1#2"):
+        by_id = gan.candidate(name)["series"]["loss_by_id"]
+        assert sorted(by_id) == ["0", "1", "2"]
+        for loss_id, steps in optimizer_steps.items():
+            given = {step for step, loss in enumerate(by_id[loss_id]) if loss is not None}
+            assert steps - {4, 11} <= given <= steps, (name, loss_id)
+    assert sorted(gan.candidate("native-O1")["summary"]["loss_by_id"]) == ["0", "1", "2"]
+    same = gan.candidate("apex-O1#2")["summary"]["loss_by_id"]
+    assert all(each["final_loss_relative_difference"] == 0 for each in same.values())
+    assert "loss_id 2" in gan.result.stdout

@@ -203,7 +203,9 @@ def locate_calls(calls: list[Any], scale: float | None = None, context: Any = co
     return overflow.locate_calls(calls, step=3, scale=scale, context=context)
 
 
-@pytest.mark.skipif(bool(native_backend.cpu_fp16_missing()), reason="this torch has no CPU float16 autocast (before 2.3)")
+@pytest.mark.skipif(
+    bool(native_backend.cpu_fp16_missing()), reason="this torch has no CPU float16 autocast (before 2.3)"
+)
 def test_a_forward_overflow_under_the_steps_autocast_names_the_model_its_module_and_float16() -> None:
     torch.manual_seed(0)
     model_a, model_b = torch.nn.Sequential(torch.nn.Linear(4, 8), Scaled(1e5)), torch.nn.Linear(8, 1)

@@ -35,13 +35,13 @@ from typing_extensions import Unpack, override
 
 from lightning_ddp_amp import _lightning
 from lightning_ddp_amp.amp.backend import AmpBackend, Placement, backend_names, choose_backend
+from lightning_ddp_amp.amp.checkpoint_weights import put_fp32_masters
 from lightning_ddp_amp.amp.crossing import describe_crossing, grad_scaler_state
 from lightning_ddp_amp.amp.loss_optimizers import LossOptimizers
 from lightning_ddp_amp.amp.settings import AmpOptions, AmpSettings, check_choice, check_half_steps, settings_of
 from lightning_ddp_amp.errors import PrecisionConfigurationError
 from lightning_ddp_amp.precision_strings import OptLevel, resolve_flag
 from lightning_ddp_amp.trainer.amp_models import amp_modules, check_models
-from lightning_ddp_amp.trainer.checkpoint_weights import put_fp32_masters
 from lightning_ddp_amp.trainer.skip_aware_scheduler import skip_aware
 
 BACKENDS = ("auto", *backend_names())
@@ -364,7 +364,7 @@ class AmpPrecision(Precision):
 
     def put_fp32_masters(self, state: dict[str, Tensor], module: Module) -> None:
         """Replace, in ``module``'s ``state``, apex O2's fp16 weights by the fp32 masters the optimizer steps
-        (:func:`~lightning_ddp_amp.trainer.checkpoint_weights.put_fp32_masters`)."""
+        (:func:`~lightning_ddp_amp.amp.checkpoint_weights.put_fp32_masters`)."""
         put_fp32_masters(state, module, self.amp_backend.master_weight_pairs())
 
     @override

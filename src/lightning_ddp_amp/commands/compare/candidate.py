@@ -137,14 +137,15 @@ def entry_of(candidate: Candidate) -> CandidateEntry:
 
 
 def _series(ranks: list[dict[str, Any]]) -> Series:
-    """The run's series from its ranks' records: the loss averaged over ranks, the step time the slowest rank's, the
-    rest rank 0's; as long as the shortest rank's (a crash may stop ranks a step apart)."""
+    """The run's series from its ranks' records: the loss (and each ``loss_id``'s) averaged over ranks, the step time
+    the slowest rank's, the rest rank 0's; as long as the shortest rank's (a crash may stop ranks a step apart)."""
     first = ranks[0]
     count = min(len(rank["step"]) for rank in ranks)
     return {
         "step": first["step"][:count],
         "loss": [math.fsum(rank["loss"][i] for rank in ranks) / len(ranks) for i in range(count)],
         "loss_by_rank": [rank["loss"][:count] for rank in ranks],
+        "loss_by_id": _loss_by_id(ranks, count),
         "skipped": first["skipped"][:count],
         "loss_scale": first["loss_scale"][:count],
         "grad_norm": first["grad_norm"][:count],
@@ -154,6 +155,18 @@ def _series(ranks: list[dict[str, Any]]) -> Series:
         "relative_loss_difference": [],
         "weight_distance": [],
     }
+
+
+def _loss_by_id(ranks: list[dict[str, Any]], count: int) -> dict[str, list[float | None]]:
+    """Each ``loss_id``'s loss per step, where the ranks' records keep several: the mean over the ranks that gave it
+    at that step, None where none did (the record's None; its NaN is an overflowed loss, and stays NaN)."""
+    kept = [rank["loss_by_id"] for rank in ranks if rank.get("loss_by_id")]
+    by_id: dict[str, list[float | None]] = {}
+    for loss_id in sorted({loss_id for each in kept for loss_id in each}, key=int):
+        columns = [each[loss_id] for each in kept if loss_id in each]
+        given = [[column[i] for column in columns if column[i] is not None] for i in range(count)]
+        by_id[loss_id] = [math.fsum(values) / len(values) if values else None for values in given]
+    return by_id
 
 
 def _overflows(ranks: list[dict[str, Any]]) -> list[Overflow]:

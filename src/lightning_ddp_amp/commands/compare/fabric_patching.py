@@ -8,7 +8,10 @@ the Fabric of the namespace the script imported (``lightning.fabric``, or the st
   (:func:`~lightning_ddp_amp.commands.compare.run_precision.replace_precision`): one of ours becomes Fabric's
   AmpPrecision, carrying the settings of the script's own AmpPrecision;
 * ``LT_PRECISION``, which ``fabric run`` sets and Fabric takes over its ``precision`` argument, is removed from the
-  environment.
+  environment;
+* CSV and TensorBoard loggers in ``loggers`` write into the run's folder, and any other logger is turned off; every
+  Fabric's ``save``, ``load`` and ``load_raw`` use the run's copies of their paths
+  (:mod:`~lightning_ddp_amp.commands.compare.run_files`).
 
 The changes are kept for the run's record (:func:`changes_of`). The process's first Fabric is then recorded: its
 setup, backward, optimizers' steps and ``fabric.log`` (:mod:`~lightning_ddp_amp.commands.compare.fabric_recording`).
@@ -23,7 +26,7 @@ import os
 import weakref
 from typing import Any
 
-from lightning_ddp_amp.commands.compare import doors, fabric_recording
+from lightning_ddp_amp.commands.compare import doors, fabric_recording, run_files
 from lightning_ddp_amp.commands.compare.recorder import Changes
 from lightning_ddp_amp.commands.compare.run_folder import Plan
 from lightning_ddp_amp.commands.compare.run_precision import Door, replace_precision
@@ -71,7 +74,9 @@ def patch_fabric(fabric_namespace: Any, plan: Plan) -> None:
         given = signature.bind(self, *args, **kwargs).arguments
         changes = Changes(door=door.name)
         replace_fabric_precision(given, plan, changes, door)
+        run_files.redirect_fabric_loggers(given, fabric_namespace.loggers, plan.directory, changes)
         init(given.pop("self"), **given)
+        run_files.redirect_saves(self, plan.directory, changes)
         _CHANGES[self] = changes
         fabric_recording.attach(self, plan, changes, recordings)
 

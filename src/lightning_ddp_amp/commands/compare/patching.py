@@ -11,8 +11,9 @@ on every ``Trainer(...)`` of the script is built with these changes, which rank 
 * ``max_steps`` becomes the plan's number of steps (after the plan's checkpoint's own), unless the script asks for
   fewer;
 * ``default_root_dir``, every ``ModelCheckpoint`` with a ``dirpath``, and CSV and TensorBoard loggers point into the
-  candidate's folder; any other logger is turned off, since it cannot be pointed elsewhere. LightningCLI saves its
-  config in the log directory, so it lands there too;
+  candidate's folder; any other logger is turned off, since it cannot be pointed elsewhere
+  (:mod:`~lightning_ddp_amp.commands.compare.run_files`, which Fabric's loggers share). LightningCLI saves its config
+  in the log directory, so it lands there too;
 * ``fit`` starts from the plan's checkpoint when the script passes no ``ckpt_path``;
 * a :class:`~lightning_ddp_amp.commands.compare.recording.Recording` callback is added: what each step did;
 * a ``doors/trainer-{pid}`` marker says that a Trainer was built (:mod:`~lightning_ddp_amp.commands.compare.doors`).
@@ -35,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_ddp_amp._standalone import FLAVOUR
-from lightning_ddp_amp.commands.compare import doors, fabric_patching
+from lightning_ddp_amp.commands.compare import doors, fabric_patching, run_files
 from lightning_ddp_amp.commands.compare.recording import Changes, Recording
 from lightning_ddp_amp.commands.compare.run_folder import Plan
 from lightning_ddp_amp.commands.compare.run_precision import Door, replace_precision
@@ -155,32 +156,20 @@ def _replace_arguments(
     given["default_root_dir"] = plan.directory
     logger = value("logger")
     if logger not in (None, True, False):
-        logs = os.path.join(plan.directory, "logs")
+        logs = run_files.logs_folder(plan.directory)
         given["logger"] = [_redirected(each, logs, changes, pl) for each in _as_list(logger)]
 
 
 def _redirected(logger: Any, logs: str, changes: Changes, pl: Any) -> Any:
     """``logger`` writing into ``logs``: a CSV or TensorBoard logger built again there, any other turned off."""
-    rebuilt = _rebuilt(logger, logs, pl)
-    if rebuilt is not None:
-        changes.replaced.append(f"{type(logger).__name__} writes to {logs!r}")
-        return rebuilt
-    # A logger of its own kind cannot be pointed elsewhere. Lightning's dummy swallows what the script logs through it
-    # (`self.logger.experiment.log(...)`); its folder is the candidate's, where LightningCLI saves its config.
-    changes.turned_off.append(type(logger).__name__)
-    turned_off = type("TurnedOffLogger", (_fence(pl).DummyLogger,), {"save_dir": property(lambda _: logs)})
-    return turned_off()
 
+    def turned_off() -> Any:
+        # A logger of its own kind cannot be pointed elsewhere. Lightning's dummy swallows what the script logs through
+        # it (`self.logger.experiment.log(...)`); its folder is the candidate's, where LightningCLI saves its config.
+        return type("TurnedOffLogger", (_fence(pl).DummyLogger,), {"save_dir": property(lambda _: logs)})()
 
-def _rebuilt(logger: Any, logs: str, pl: Any) -> Any | None:
-    """A CSV or TensorBoard logger of the same class and name writing into ``logs``; None for a logger of another kind,
-    or a subclass whose constructor takes other arguments."""
-    if not isinstance(logger, (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)):
-        return None
-    try:
-        return type(logger)(save_dir=logs, name=logger.name)
-    except TypeError:
-        return None
+    kinds = (pl.loggers.CSVLogger, pl.loggers.TensorBoardLogger)
+    return run_files.redirected_logger(logger, logs, changes, kinds, turned_off)
 
 
 def _amp_precision(pl: Any) -> Any:

@@ -1,5 +1,8 @@
 """``compare.png``: the runs' series in eight panels, under a title that says what ran where, with each verdict.
 
+The loss panel draws a step's loss, the sum of its losses: each ``loss_id``'s own (``series.loss_by_id``) is given only
+at the steps of its optimizer, a point every other step, and is in the terminal report and ``compare.json`` instead.
+
 Differences are drawn in percent, as the terminal says them, from 0 up; the step-time panel leaves out each run's first
 step (warm-up) and the steps slowed by the weight-distance measurement, as the step-time statistics do. A panel draws
 only the runs that have something there, and curves that lie on each other take turns, so that none hides another

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ddp_amp.amp.checkpoint_weights import put_fp32_masters
 from lightning_ddp_amp.commands.compare import run_folder
 from lightning_ddp_amp.commands.compare.run_folder import START_WEIGHTS, Plan, snapshot_file
 from lightning_ddp_amp.commands.compare.schema import CUDA_MAX_MEMORY_ALLOCATED, PROCESS_MAX_RSS, Evaluation
@@ -255,11 +256,12 @@ class Recorder:
             "slowed_steps": list(self._snapshot_steps),
         }
         ids = sorted({loss_id for losses in self._loss_by_id for loss_id in losses})
-        if len(ids) > 1:  # several losses per step (num_losses): each kept beside their sum
-            nan = torch.full((), math.nan)
-            record["loss_by_id"] = {
-                str(loss_id): floats([losses.get(loss_id, nan).cpu() for losses in self._loss_by_id]) for loss_id in ids
-            }
+        if len(ids) > 1:  # several losses per step (num_losses): each kept beside their sum, read back in one go
+            given = iter(floats([loss for losses in self._loss_by_id for loss in losses.values()]))
+            read = [{loss_id: next(given) for loss_id in losses} for losses in self._loss_by_id]
+            # None where the step had no loss of that id (a GAN's generator step has none of the discriminator's):
+            # NaN stays what an overflowed loss reads as.
+            record["loss_by_id"] = {str(loss_id): [losses.get(loss_id) for losses in read] for loss_id in ids}
         return record
 
 
@@ -294,11 +296,11 @@ def loss_scale(plugin: Any) -> Tensor | float | None:
 
 def trained_weights(modules: Sequence[tuple[str, Any]], plugin: Any) -> dict[str, Tensor]:
     """The models' states, each name after its prefix, with apex O2's fp32 masters in place of the fp16 weights they
-    train (where the plugin can put them: the Trainer's AmpPrecision)."""
+    train (either door's AmpPrecision)."""
+    pairs = plugin.amp_backend.master_weight_pairs() if hasattr(plugin, "amp_backend") else []
     state: dict[str, Tensor] = {}
     for prefix, module in modules:
         own: dict[str, Tensor] = module.state_dict()
-        if hasattr(plugin, "put_fp32_masters"):
-            plugin.put_fp32_masters(own, module)
+        put_fp32_masters(own, module, pairs)
         state.update({f"{prefix}{name}": tensor for name, tensor in own.items()})
     return state

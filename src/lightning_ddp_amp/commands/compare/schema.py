@@ -107,11 +107,13 @@ class Spread(TypedDict):
 
 
 class Series(TypedDict):
-    """Per step; ``weight_distance`` as ``[steps done, distance]`` pairs."""
+    """Per step; ``weight_distance`` as ``[steps done, distance]`` pairs; ``loss_by_id`` each ``loss_id``'s loss when
+    the run gave several (empty with one), None at a step that gave none of that id."""
 
     step: list[int]
     loss: list[float]
     loss_by_rank: list[list[float]]
+    loss_by_id: dict[str, list[float | None]]
     skipped: list[bool]
     loss_scale: list[float | None]
     grad_norm: list[float]
@@ -171,11 +173,23 @@ class StepTimes(TypedDict):
     p75: float
 
 
+class LossSummary(TypedDict):
+    """One ``loss_id``'s loss against the baseline's, over the steps where both runs gave it, as the summary's own
+    ``final_loss`` and the differences beside it are over the steps both took; without such a step, the final loss
+    is NaN and the differences None."""
+
+    final_loss: float
+    final_loss_relative_difference: float | None
+    max_relative_loss_difference: float | None
+    mean_relative_loss_difference: float | None
+
+
 class Summary(TypedDict):
     final_loss: float
     final_loss_relative_difference: float | None
     max_relative_loss_difference: float | None
     mean_relative_loss_difference: float | None
+    loss_by_id: dict[str, LossSummary]
     first_step_apart: int | None
     explanation: str | None
     weight_distance: float | None

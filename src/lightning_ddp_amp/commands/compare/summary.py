@@ -4,7 +4,8 @@ Definitions (``docs/compare.md`` explains how to read them):
 
 * The loss of a step is the mean over ranks of what each rank gave to backward since its previous step.
 * The *relative loss difference* of a step is ``|loss - baseline loss| / |baseline loss|``, over the steps both
-  runs took. The *final loss* is the mean over the last tenth of those steps (at least one).
+  runs took. The *final loss* is the mean over the last tenth of those steps (at least one). With several
+  ``loss_id`` (apex's ``num_losses``), each one's loss has the same numbers, over the steps where both runs gave it.
 * The *weight distance* is ``‖w - w_baseline‖ / ‖w_baseline - w_start‖``: how far the candidate's final weights are
   from the baseline's, as a fraction of how far the baseline moved from the common start. It is 1 for a candidate
   that never moved (every step skipped), and about 0.1 for the same precision at a learning rate 10% off. Per
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -33,6 +34,7 @@ from lightning_ddp_amp.commands.compare.schema import (
     Call,
     CandidateEntry,
     Evaluation,
+    LossSummary,
     MetricSummary,
     NoiseFloor,
     Overflow,
@@ -64,16 +66,8 @@ def summarize(
     """
     series, base = entry["series"], base_entry["series"]
     assert series is not None and base is not None
-    ran = set(series["step"])
-    common = [step for step in base["step"] if step in ran]
-    ours = dict(zip(series["step"], series["loss"], strict=True))
-    theirs = dict(zip(base["step"], base["loss"], strict=True))
-    differences: list[float] = [_relative(ours[step], theirs[step]) for step in common]  # type: ignore[misc]
-    by_step = dict(zip(common, differences, strict=True))
+    loss, by_step = _loss(series["step"], series["loss"], base["step"], base["loss"])
     series["relative_loss_difference"] = [by_step.get(step) for step in series["step"]]
-    tail = max(1, len(common) // 10)
-    final = _mean([ours[step] for step in common[-tail:]])
-    base_final = _mean([theirs[step] for step in common[-tail:]])
     skipped = [step for step, flag in zip(series["step"], series["skipped"], strict=True) if flag]
     submodules = _submodule_distances(weights, base_weights, start)
     distance = weight_distance(weights, base_weights, start)
@@ -82,10 +76,11 @@ def summarize(
     times, base_times = step_times(series), step_times(base)
     memory = entry["peak_memory_bytes"]
     return {
-        "final_loss": final,
-        "final_loss_relative_difference": _relative(final, base_final),
-        "max_relative_loss_difference": max(differences, default=None),
-        "mean_relative_loss_difference": _mean(differences) if differences else None,
+        "final_loss": loss["final_loss"],
+        "final_loss_relative_difference": loss["final_loss_relative_difference"],
+        "max_relative_loss_difference": loss["max_relative_loss_difference"],
+        "mean_relative_loss_difference": loss["mean_relative_loss_difference"],
+        "loss_by_id": _loss_by_id(series, base),
         "first_step_apart": None,
         "explanation": None,
         "weight_distance": distance,
@@ -102,6 +97,37 @@ def summarize(
         "peak_memory_ratio": _ratio(memory, base_entry["peak_memory_bytes"]),
         "peak_memory_call": None,
     }
+
+
+def _loss(
+    steps: list[int], losses: Sequence[float | None], base_steps: list[int], base_losses: Sequence[float | None]
+) -> tuple[LossSummary, dict[int, float | None]]:
+    """A loss against the baseline's over the steps where both runs have one (a None is none): its final loss (the
+    mean of the last tenth of those steps, at least one) and the relative differences, each step's as well."""
+    ours = {step: loss for step, loss in zip(steps, losses, strict=True) if loss is not None}
+    theirs = {step: loss for step, loss in zip(base_steps, base_losses, strict=True) if loss is not None}
+    common = [step for step in theirs if step in ours]  # in the baseline's order
+    by_step = {step: _relative(ours[step], theirs[step]) for step in common}
+    differences = [difference for difference in by_step.values() if difference is not None]
+    tail = common[-max(1, len(common) // 10) :]
+    final, base_final = _mean([ours[step] for step in tail]), _mean([theirs[step] for step in tail])
+    return {
+        "final_loss": final,
+        "final_loss_relative_difference": _relative(final, base_final),
+        "max_relative_loss_difference": max(differences, default=None),
+        "mean_relative_loss_difference": _mean(differences) if differences else None,
+    }, by_step
+
+
+def _loss_by_id(series: Series, base: Series) -> dict[str, LossSummary]:
+    """Each ``loss_id``'s loss against the baseline's, for runs that gave several; an id only one run gave has no
+    step to compare (its final loss is NaN, its differences None)."""
+    found: dict[str, LossSummary] = {}
+    for loss_id in sorted(series["loss_by_id"].keys() | base["loss_by_id"].keys(), key=int):
+        ours = series["loss_by_id"].get(loss_id, [None] * len(series["step"]))
+        theirs = base["loss_by_id"].get(loss_id, [None] * len(base["step"]))
+        found[loss_id] = _loss(series["step"], ours, base["step"], theirs)[0]
+    return found
 
 
 def weight_distance(

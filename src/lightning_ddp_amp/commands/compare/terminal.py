@@ -21,6 +21,7 @@ from lightning_ddp_amp.commands.compare.schema import (
     WITHIN_THE_SPREAD,
     Call,
     CandidateEntry,
+    LossSummary,
     MetricSummary,
     Overflow,
     Report,
@@ -137,14 +138,10 @@ def _block(entry: CandidateEntry, report: Report) -> list[str]:
             lines.append(_row("steps", f"{len(series['step'])} taken before it failed"))
         return lines
     lines.append(_row("ran as", f"{entry['ran_as']}, {_steps(series, entry['restarts'])}"))
-    loss = f"{summary['final_loss']:.6g}"
-    if entry["status"] != BASELINE:
-        loss += (
-            f" ({percent(summary['final_loss_relative_difference'])} from the baseline's; per step max"
-            f" {percent(summary['max_relative_loss_difference'])}, mean"
-            f" {percent(summary['mean_relative_loss_difference'])})"
-        )
-    lines.append(_row("final loss", loss))
+    lines.append(_row("final loss", _loss(summary, entry["status"] == BASELINE)))
+    for loss_id, loss in summary["loss_by_id"].items():  # several losses per step: each one's below their sum's
+        said = "no step where both runs gave it" if loss["max_relative_loss_difference"] is None else None
+        lines.append(_row(f"  loss_id {loss_id}", said or _loss(loss, entry["status"] == BASELINE)))
     if entry["status"] != BASELINE:
         noise = report.get("noise_floor")
         floor = f"; noise floor {percent(noise['weight_distance'])}" if noise and entry["role"] != NOISE_FLOOR else ""
@@ -171,6 +168,17 @@ def _block(entry: CandidateEntry, report: Report) -> list[str]:
 
 def _row(label: str, text: str) -> str:
     return f"  {label:<{LABEL - 1}} {text}"  # a metric's name may be longer than the column: a space still follows
+
+
+def _loss(loss: Summary | LossSummary, baseline: bool) -> str:
+    """A final loss, and against the baseline's: its difference and the per-step differences' max and mean."""
+    text = f"{loss['final_loss']:.6g}"
+    if baseline:
+        return text
+    return (
+        f"{text} ({percent(loss['final_loss_relative_difference'])} from the baseline's; per step max"
+        f" {percent(loss['max_relative_loss_difference'])}, mean {percent(loss['mean_relative_loss_difference'])})"
+    )
 
 
 def _steps(series: Series, restarts: int | None) -> str:

@@ -1,7 +1,8 @@
 """How a candidate of ``lightning-ddp-amp compare`` ends against the baseline: **identical** when it took the
-baseline's steps with the baseline's loss at each and ended in its weights, bit for bit; else **close** when its
-final loss, its weight distance and each ``--metric`` are within their tolerances; otherwise **apart**, with the
-reason, and the skipped step that explains where it left the tolerance, when one does.
+baseline's steps with the baseline's loss at each (each ``loss_id``'s too) and ended in its weights, bit for bit;
+else **close** when its final loss (each ``loss_id``'s too), its weight distance and each ``--metric`` are within
+their tolerances; otherwise **apart**, with the reason, and the skipped step that explains where it left the
+tolerance, when one does.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ def identical(
     base_weights: dict[str, torch.Tensor],
 ) -> bool:
     """Whether a run trained exactly as the baseline did: the same steps and losses (a NaN loss, an overflowed step's,
-    the same as a NaN), the same final weights."""
+    the same as a NaN), each ``loss_id``'s too (given at the same steps), the same final weights."""
     if (
         series["step"] != base["step"]
         or not _same(series["loss"], base["loss"])
+        or series["loss_by_id"].keys() != base["loss_by_id"].keys()
+        or not all(_same(losses, base["loss_by_id"][loss_id]) for loss_id, losses in series["loss_by_id"].items())
         or weights.keys() != base_weights.keys()
     ):
         return False
@@ -41,13 +44,23 @@ def _same(values: Sequence[float | None], others: Sequence[float | None]) -> boo
 
 
 def verdict(summary: Summary, tolerance: Tolerance, metrics: Sequence[Metric] = ()) -> tuple[Status, str]:
-    """``close`` or ``apart``, and why: the final loss, the weight distance and each ``--metric`` against its
-    tolerance."""
+    """``close`` or ``apart``, and why: the final loss, each ``loss_id``'s, the weight distance and each
+    ``--metric`` against its tolerance."""
     reasons = []
     final, distance = summary["final_loss_relative_difference"], summary["weight_distance"]
-    if final is None or not math.isfinite(final) or final > tolerance.loss:
+    if not _within(final, tolerance.loss):
         reasons.append(f"final loss {percent(final)} from the baseline's (tolerance {percent(tolerance.loss)})")
-    if distance is None or not math.isfinite(distance) or distance > tolerance.weights:
+    apart_ids = []  # several losses per step: each one's final loss is held to the loss tolerance too
+    for loss_id, loss in summary.get("loss_by_id", {}).items():
+        if loss["max_relative_loss_difference"] is None:  # no step to compare: an id one run never gave
+            reasons.append(f"no step where both runs gave a loss of loss_id {loss_id}")
+        elif not _within(loss["final_loss_relative_difference"], tolerance.loss):
+            apart_ids.append(f"loss_id {loss_id} {percent(loss['final_loss_relative_difference'])}")
+    if apart_ids:
+        reasons.append(
+            f"final loss of {', '.join(apart_ids)} from the baseline's (tolerance {percent(tolerance.loss)})"
+        )
+    if not _within(distance, tolerance.weights):
         reasons.append(
             f"weights {percent(distance)} of the baseline's travel away (tolerance {percent(tolerance.weights)})"
         )
@@ -71,6 +84,10 @@ def verdict(summary: Summary, tolerance: Tolerance, metrics: Sequence[Metric] = 
         f"final loss {percent(final)} from the baseline's, weights {percent(distance)} of its travel away"
         f" (tolerances {percent(tolerance.loss)}, {percent(tolerance.weights)})" + "".join(f"; {text}" for text in held)
     )
+
+
+def _within(difference: float | None, tolerance: float) -> bool:
+    return difference is not None and math.isfinite(difference) and difference <= tolerance
 
 
 def first_apart(series: Series, tolerance: Tolerance) -> int | None:
