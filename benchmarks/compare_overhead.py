@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     doors = list(DOORS) if args.door == "both" else [args.door]
-    times = {door: {"plain": [], "recorded": []} for door in doors}
+    times: dict[str, dict[str, list[float]]] = {door: {"plain": [], "recorded": []} for door in doors}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.rounds):
             for door in doors:
