@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType, UnionType
 from typing import Any
 
+import lightning.fabric
 import lightning.pytorch as pl
 import numpy
 import pytest
@@ -1462,11 +1463,19 @@ class RestoresAfterSetup(SingleDeviceStrategy):
         return True
 
 
+def doors_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put the Trainer and the Fabric back after the test: an in-process ``patch()`` changes the classes of the process
+    (``patch("lightning")`` patches ``lightning.fabric.Fabric`` too), and a later test in this worker that builds a
+    Fabric or a Trainer would get the plan's precision."""
+    for name in ("__init__", "fit"):
+        monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
+    monkeypatch.setattr(lightning.fabric.Fabric, "__init__", lightning.fabric.Fabric.__init__)
+
+
 def test_a_strategy_that_restores_checkpoints_after_its_setup_is_refused_when_the_trainer_is_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
-        monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
+    doors_put_back(monkeypatch)
     Plan("c", "32-true", 5, str(tmp_path)).write(tmp_path / "plan.json")
     compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     pl.Trainer(strategy=SingleDeviceStrategy("cpu"), logger=False)
@@ -1526,8 +1535,7 @@ def test_a_later_trainers_test_joins_the_first_fits_record_and_a_second_fit_reco
         from compare_train import build
     finally:
         sys.path.remove(str(WORKERS))
-    for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
-        monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
+    doors_put_back(monkeypatch)
     Plan("c", "32-true", 6, str(tmp_path)).write(tmp_path / "plan.json")
     compare_patching.patch("lightning", str(tmp_path / "plan.json"))
     quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
@@ -1566,8 +1574,7 @@ class TwoOptimizers(pl.LightningModule):
 def test_snapshots_are_taken_at_the_first_batch_past_them_when_the_step_goes_up_by_two(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("__init__", "fit"):  # put back after the test: patch() changes the Trainer class of the process
-        monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
+    doors_put_back(monkeypatch)
     plan = Plan(  # the baseline: it keeps its weights at each snapshot
         "c", "32-true", 6, str(tmp_path), save_start=True, snapshots=(3, 5), baseline_directory=str(tmp_path)
     )
