@@ -31,6 +31,7 @@ from lightning.fabric.plugins import HalfPrecision, MixedPrecision
 from lightning_ddp_amp.commands.compare import command as compare
 from lightning_ddp_amp.commands.compare import doors, run_files, run_folder
 from lightning_ddp_amp.commands.compare.candidate import Candidate
+from lightning_ddp_amp.commands.compare.comparable import missing_metric
 from lightning_ddp_amp.commands.compare.fabric_patching import PRECISION_VARIABLE, changes_of, patch_fabric
 from lightning_ddp_amp.commands.compare.run_folder import (
     FINAL_WEIGHTS,
@@ -40,6 +41,7 @@ from lightning_ddp_amp.commands.compare.run_folder import (
     snapshot_file,
 )
 from lightning_ddp_amp.commands.compare.tensors import hash_tensors
+from lightning_ddp_amp.commands.compare.tolerance import Metric
 from lightning_ddp_amp.errors import CompareScriptError
 from lightning_ddp_amp.fabric import AmpPrecision, setup_models
 
@@ -411,6 +413,20 @@ def test_fabric_log_and_log_dict_scalars_are_kept_as_logged_evaluations_one_per_
         ("logged", 2, ["val_acc", "val_loss"]),
     ]  # the phase is no scalar; the third step ended the run before its log
     assert evaluations[1]["metrics"]["val_acc"] == pytest.approx(0.1)
+
+
+def test_a_metric_a_kept_loop_never_logged_is_told_to_log_it_with_fabric_log(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=3), batches=10)
+    record = merged_record(tmp_path)
+    assert record["door"] == "Fabric"
+    assert missing_metric(record["evaluations"], [Metric("val_acc"), Metric("val_top5")], record["door"]) == (
+        "--metric='val_top5': the baseline logged no such metric with fabric.log (it logged: val_acc, val_loss)."
+        " Fix: name one of those, or log it with fabric.log('val_top5', value) in the loop, within the steps compare"
+        " runs (--steps)"
+    )
 
 
 def test_a_script_that_swallows_the_end_meets_it_again_at_its_next_step(

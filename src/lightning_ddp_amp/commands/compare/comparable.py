@@ -51,16 +51,23 @@ def stop_after_baseline(baseline: Candidate, metrics: Sequence[Metric]) -> str |
         return f"the baseline {baseline.name} failed"
     record = baseline.record()
     assert record is not None  # a run that did not fail has its record
-    if missing_metric(record.get("evaluations", []), metrics) is not None:
+    if missing_metric(record.get("evaluations", []), metrics, record["door"]) is not None:
         return "the baseline never logged a --metric"
     return None
 
 
-def missing_metric(evaluations: list[Evaluation], metrics: Sequence[Metric]) -> str | None:
-    """A ``--metric`` the baseline never logged: the verdict cannot use it."""
+def missing_metric(evaluations: list[Evaluation], metrics: Sequence[Metric], door: str) -> str | None:
+    """A ``--metric`` the baseline never logged: the verdict cannot use it. ``door``: the baseline's record's
+    (``"Trainer"`` or ``"Fabric"``), which says where the metric is logged."""
     logged = sorted(last_values(evaluations))
     for metric in metrics:
         if metric.name not in logged:
+            if door == "Fabric":
+                return (
+                    f"--metric={metric.name!r}: the baseline logged no such metric with fabric.log (it logged:"
+                    f" {', '.join(logged) or 'none'}). Fix: name one of those, or log it with"
+                    f" fabric.log({metric.name!r}, value) in the loop, within the steps compare runs (--steps)"
+                )
             return (
                 f"--metric={metric.name!r}: the baseline logged no such metric in validation or test (it logged:"
                 f" {', '.join(logged) or 'none'}). Fix: name one of those, or log it with self.log({metric.name!r}, ...)"

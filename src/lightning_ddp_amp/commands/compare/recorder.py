@@ -208,6 +208,7 @@ class Recorder:
         return {
             "candidate": self.plan.candidate,
             "precision": self.plan.precision,
+            "door": self.changes.door,  # "Trainer" or "Fabric": how a fix the report gives is worded
             "world_size": world_size,
             "ran_as": ran_as,
             # torchrun --max-restarts: an attempt that failed wrote nothing; this one's series starts where it did.

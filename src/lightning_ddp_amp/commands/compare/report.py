@@ -108,7 +108,9 @@ def _compare(
     noise = next((entry for _, entry in compared if entry["role"] == NOISE_FLOOR), None)
     report["noise_floor"] = None if noise is None else noise_floor(noise)
     report["spread"] = widths = spread(base_entry, noise)
-    report["problem"] = missing_metric(base_entry["evaluations"], metrics)
+    base_record = baseline.record()
+    assert base_record is not None  # a compared run has its record
+    report["problem"] = missing_metric(base_entry["evaluations"], metrics, base_record["door"])
     for candidate, entry in compared:
         summary = _summary(entry)
         summary["step_time_call"] = call(summary["step_time_ratio"], widths["step_time"])
