@@ -283,6 +283,21 @@ def test_each_path_saved_is_listed_once_after_the_rule_said_at_setup(tmp_path: P
 # -- the recording of a kept loop, in one process (no launch) ------------------------------------------------------
 
 
+def test_ckpt_on_a_fabric_script_is_refused_with_the_scripts_own_option_as_the_fix(tmp_path: Path) -> None:
+    class ScriptFabric(Fabric):
+        pass
+
+    plan = Plan("run", "32-true", steps=4, directory=str(tmp_path), ckpt="/data/last.ckpt")
+    patch_fabric(script_namespace(ScriptFabric), plan)
+    with pytest.raises(CompareScriptError) as refused:
+        ScriptFabric(accelerator="cpu", devices=1)
+    assert str(refused.value) == (
+        "--ckpt='/data/last.ckpt': a Fabric script loads its own checkpoints with fabric.load, so compare cannot start"
+        " it from one. Fix: pass the checkpoint to the script's own option in the command (e.g. -- python train.py"
+        " --resume PATH)"
+    )
+
+
 @pytest.fixture
 def at_exit(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
     """What the recording registers with ``atexit``, kept here (and run by the test) instead of at pytest's exit; the
