@@ -1152,7 +1152,7 @@ def test_a_first_step_apart_that_the_baseline_alone_skipped_says_so_and_that_thi
 def test_a_candidate_is_apart_beyond_either_tolerance_and_close_within_both(
     final: float | None, distance: float, status: str
 ) -> None:
-    summary = {"final_loss_relative_difference": final, "weight_distance": distance}
+    summary = {"final_loss_relative_difference": final, "weight_distance": distance, "loss_by_id": {}}
     assert compare_verdict.verdict(summary, Tolerance(loss=0.02, weights=0.05))[0] == status
 
 

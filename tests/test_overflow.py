@@ -15,8 +15,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from conftest import needs_cpu_fp16
 
-from lightning_ddp_amp.amp import native_backend
 from lightning_ddp_amp.commands.compare import overflow
 from lightning_ddp_amp.commands.compare.model_calls import ModelCalls
 
@@ -203,9 +203,7 @@ def locate_calls(calls: list[Any], scale: float | None = None, context: Any = co
     return overflow.locate_calls(calls, step=3, scale=scale, context=context)
 
 
-@pytest.mark.skipif(
-    bool(native_backend.cpu_fp16_missing()), reason="this torch has no CPU float16 autocast (before 2.3)"
-)
+@needs_cpu_fp16
 def test_a_forward_overflow_under_the_steps_autocast_names_the_model_its_module_and_float16() -> None:
     torch.manual_seed(0)
     model_a, model_b = torch.nn.Sequential(torch.nn.Linear(4, 8), Scaled(1e5)), torch.nn.Linear(8, 1)

@@ -51,7 +51,7 @@ def verdict(summary: Summary, tolerance: Tolerance, metrics: Sequence[Metric] = 
     if not _within(final, tolerance.loss):
         reasons.append(f"final loss {percent(final)} from the baseline's (tolerance {percent(tolerance.loss)})")
     apart_ids = []  # several losses per step: each one's final loss is held to the loss tolerance too
-    for loss_id, loss in summary.get("loss_by_id", {}).items():
+    for loss_id, loss in summary["loss_by_id"].items():
         if loss["max_relative_loss_difference"] is None:  # no step to compare: an id one run never gave
             reasons.append(f"no step where both runs gave a loss of loss_id {loss_id}")
         elif not _within(loss["final_loss_relative_difference"], tolerance.loss):
