@@ -1,19 +1,24 @@
 """What ``lightning-ddp-amp compare`` costs per step, on both doors: the same training with and without its recording.
 
-    python benchmarks/compare_overhead.py                  # CPU (or the GPU, when there is one), ~2 minutes
-    python benchmarks/compare_overhead.py --door fabric --steps 400 --rounds 5 --width 1024
+    python benchmarks/compare_overhead.py                  # CPU (or the GPU, when there is one), ~3 minutes
+    python benchmarks/compare_overhead.py --door fabric --steps 1200 --rounds 3 --width 1024
 
 ``trainer``: the same ``fit`` with and without the recording callback. ``fabric``: the same kept loop (a plain
 ``torch.nn.Module``, ``fabric.setup``, ``fabric.backward``, ``optimizer.step``) on a Fabric built plainly and on one
 recorded as a compared run's is (:class:`~lightning_ddp_amp.commands.compare.fabric_recording.FabricRecording`,
-which also keeps each model call of the step for the overflow locator).
+which also watches each model call of the step for the overflow locator).
 
-The recording keeps its values on the device until the run ends, and reads back one per step (whether the gradient
-norm is finite, for the overflow locator), so the difference should be the work itself: one gradient norm per step
-(a norm per parameter tensor, then one of those), a clone of the loss, the random state taken before each batch (the
-Trainer) or each model call's arguments and output gradient (Fabric), that one read, and two timestamps. Weight
-snapshots are off here (the plan names no baseline folder). Rounds interleave the variants; per-step time is the
-median interval between consecutive step ends after warm-up. Writes ``results/compare_overhead.json`` and ``.md``.
+The recording keeps its values on the device until the run ends and reads back one per step (whether the loss is
+finite, for the overflow locator), so the difference is the work itself: the series' bookkeeping, a gradient norm at
+every ``--grad-norm-every``-th step (10, compare's default), the random state taken before each batch (the Trainer)
+or each model call's arguments and output gradient kept (Fabric), and two timestamps. Weight snapshots are off here
+(the plan names no baseline folder).
+
+How it measures: the plain and the recorded training run in two threads that take turns every ``--block`` steps (one
+runs while the other waits), so both see the same machine minute by minute; this 2-core VM's speed drifts by 10-20%
+over a minute, which alternating whole runs could not separate from a 2% cost. A step's time is the interval between
+consecutive step ends within a turn; per variant, the median after warm-up; a round is one such pair of runs, and the
+table gives the median of the rounds. Writes ``results/compare_overhead.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import contextlib
 import json
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +40,77 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp.commands.compare.fabric_recording import FabricRecording
 from lightning_ddp_amp.commands.compare.recording import Changes, Recording
-from lightning_ddp_amp.commands.compare.run_folder import Plan
+from lightning_ddp_amp.commands.compare.run_folder import DEFAULT_GRAD_NORM_EVERY, Plan
 
 RESULTS = Path(__file__).parent / "results"
-WARMUP = 20
+WARMUP = 50
+VARIANTS = ("plain", "recorded")
+
+
+class Turns:
+    """Threads that take turns: each runs ``block`` steps, then hands over to the next one not finished."""
+
+    def __init__(self, count: int, block: int) -> None:
+        self.block = block
+        self._go = [threading.Semaphore(0) for _ in range(count)]
+        self._finished = [False] * count
+        self.times: list[list[float]] = [[] for _ in range(count)]
+
+    def clock(self, index: int) -> Callable[[], None]:
+        """What variant ``index`` calls at each step's end: it times the step and, every ``block`` steps, waits for
+        its next turn (the interval across a turn is not kept)."""
+        last = [time.perf_counter()]
+        done = [0]
+
+        def step_ended() -> None:
+            now = time.perf_counter()
+            self.times[index].append(now - last[0])
+            done[0] += 1
+            if done[0] % self.block == 0:
+                self._hand_over(index)
+                self._go[index].acquire()
+            last[0] = time.perf_counter()
+
+        return step_ended
+
+    def run(self, trainings: list[Callable[[Callable[[], None]], None]]) -> list[list[float]]:
+        threads = [
+            threading.Thread(target=self._own_turns, args=(index, training), daemon=True)
+            for index, training in enumerate(trainings)
+        ]
+        for thread in threads:
+            thread.start()
+        self._go[0].release()
+        for thread in threads:
+            thread.join()
+        return self.times
+
+    def _own_turns(self, index: int, training: Callable[[Callable[[], None]], None]) -> None:
+        self._go[index].acquire()
+        try:
+            with contextlib.suppress(SystemExit):  # a recorded kept loop ends as --steps ends a run
+                training(self.clock(index))
+        finally:
+            self._finished[index] = True
+            self._hand_over(index)
+
+    def _hand_over(self, index: int) -> None:
+        count = len(self._go)
+        for offset in range(1, count + 1):
+            other = (index + offset) % count
+            if not self._finished[other] and other != index:
+                self._go[other].release()
+                return
 
 
 class StepClock(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
+    def __init__(self, step_ended: Callable[[], None]) -> None:
+        self.step_ended = step_ended
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()  # the clock's own sync, in both variants alike
-        self.ends.append(time.perf_counter())
-
-    def per_step(self) -> float:
-        return statistics.median(b - a for a, b in zip(self.ends[WARMUP:], self.ends[WARMUP + 1 :], strict=False))
+        self.step_ended()
 
 
 def mlp(width: int, depth: int) -> torch.nn.Sequential:
@@ -77,15 +138,16 @@ class MLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def fit(recorded: bool, args: argparse.Namespace, folder: str) -> float:
-    loader = data(args)
-    clock = StepClock()
-    callbacks: list[Any] = [clock]
+def plan(args: argparse.Namespace, folder: str) -> Plan:
+    return Plan("benchmark", args.precision, args.steps, folder, grad_norm_every=args.grad_norm_every)
+
+
+def fit(recorded: bool, args: argparse.Namespace, folder: str, step_ended: Callable[[], None]) -> None:
+    callbacks: list[Any] = [StepClock(step_ended)]
     if recorded:
-        plan = Plan("benchmark", args.precision, args.steps, folder)
         recording = type("CompareRecording", (Recording, L.Callback), {})
         # No checkpoints to point into the run's folder, and no validation run to read metrics from.
-        callbacks.append(recording(plan, Changes(), lambda trainer: None, lambda trainer: {}))
+        callbacks.append(recording(plan(args, folder), Changes(), lambda trainer: None, lambda trainer: {}))
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
@@ -98,74 +160,88 @@ def fit(recorded: bool, args: argparse.Namespace, folder: str) -> float:
         enable_model_summary=False,
         default_root_dir=folder,
     )
-    trainer.fit(MLP(args.width, args.depth), loader)
-    return clock.per_step()
+    trainer.fit(MLP(args.width, args.depth), data(args))
 
 
-def kept_loop(recorded: bool, args: argparse.Namespace, folder: str) -> float:
-    """A Fabric loop's median step time, its Fabric recorded as a compared run's or not."""
-    loader = data(args)
+def kept_loop(recorded: bool, args: argparse.Namespace, folder: str, step_ended: Callable[[], None]) -> None:
+    """A Fabric loop, its Fabric recorded as a compared run's or not."""
     fabric = L.Fabric(accelerator="auto", devices=1, precision=args.precision)
     if recorded:
         # The run ends at its last step, as --steps ends one: its record is written, SystemExit raised in the step.
-        FabricRecording(fabric, Plan("benchmark", args.precision, args.steps, folder), Changes(door="Fabric"))
+        FabricRecording(fabric, plan(args, folder), Changes(door="Fabric"))
     net = mlp(args.width, args.depth)
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
-    ends: list[float] = []
-    with contextlib.suppress(SystemExit):
-        for x, y in fabric.setup_dataloaders(loader):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            if fabric.device.type == "cuda":
-                torch.cuda.synchronize()  # the clock's own sync, in both variants alike
-            ends.append(time.perf_counter())
-    return statistics.median(b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :], strict=False))
+    for x, y in fabric.setup_dataloaders(data(args)):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if fabric.device.type == "cuda":
+            torch.cuda.synchronize()  # the clock's own sync, in both variants alike
+        step_ended()
 
 
 DOORS = {"trainer": fit, "fabric": kept_loop}
 
 
+def one_round(door: str, args: argparse.Namespace, folder: str) -> dict[str, float]:
+    """The plain and the recorded training of ``door``, taking turns; each one's median step time."""
+    trainings = [
+        lambda step_ended, recorded=recorded: DOORS[door](recorded, args, folder, step_ended)
+        for recorded in (False, True)
+    ]
+    times = Turns(len(trainings), args.block).run(trainings)
+    return {variant: statistics.median(steps[WARMUP:]) for variant, steps in zip(VARIANTS, times, strict=True)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--door", choices=[*DOORS, "both"], default="both")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block", type=int, default=20, help="steps per turn")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--grad-norm-every", type=int, default=DEFAULT_GRAD_NORM_EVERY)
     args = parser.parse_args()
     doors = list(DOORS) if args.door == "both" else [args.door]
-    times: dict[str, dict[str, list[float]]] = {door: {"plain": [], "recorded": []} for door in doors}
+    rounds: dict[str, list[dict[str, float]]] = {door: [] for door in doors}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.rounds):
             for door in doors:
-                for variant in ("plain", "recorded"):
-                    times[door][variant].append(DOORS[door](variant == "recorded", args, folder))
-    results = {door: _measured(times[door]) for door in doors}
+                rounds[door].append(one_round(door, args, folder))
+    results = {door: _measured(rounds[door]) for door in doors}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     document = {"device": device, "torch": torch.__version__, "lightning": L.__version__, "settings": vars(args)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "compare_overhead.json").write_text(json.dumps({**document, "doors": results}, indent=2))
     model = f"MLP {args.depth + 2} layers, width {args.width}, batch 64, {args.precision}"
-    table = "| device | door | model | plain step | recorded step | overhead |\n|---|---|---|---|---|---|\n" + "".join(
-        f"| {device} | {door} | {model} | {r['median_plain_s'] * 1e3:.3f} ms | {r['median_recorded_s'] * 1e3:.3f} ms"
-        f" | {r['overhead_s'] * 1e6:+.0f} µs ({100 * r['overhead_ratio']:+.1f}%) |\n"
-        for door, r in results.items()
+    table = (
+        "| device | door | model | plain step | recorded step | overhead (rounds) |\n|---|---|---|---|---|---|\n"
+        + "".join(
+            f"| {device} | {door} | {model} | {r['median_plain_s'] * 1e3:.3f} ms | {r['median_recorded_s'] * 1e3:.3f} ms"
+            f" | {r['overhead_s'] * 1e6:+.0f} µs ({100 * r['overhead_ratio']:+.1f}%; "
+            + ", ".join(f"{100 * ratio:+.1f}%" for ratio in r["round_ratios"])
+            + ") |\n"
+            for door, r in results.items()
+        )
     )
     (RESULTS / "compare_overhead.md").write_text(table)
     print(table)
 
 
-def _measured(times: dict[str, list[float]]) -> dict[str, Any]:
-    plain, recorded = statistics.median(times["plain"]), statistics.median(times["recorded"])
+def _measured(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    ratios = [r["recorded"] / r["plain"] - 1 for r in rounds]
+    plain = statistics.median(r["plain"] for r in rounds)
+    ratio = statistics.median(ratios)
     return {
-        "per_step_s": times,
+        "rounds": rounds,
+        "round_ratios": ratios,
         "median_plain_s": plain,
-        "median_recorded_s": recorded,
-        "overhead_s": recorded - plain,
-        "overhead_ratio": recorded / plain - 1,
+        "median_recorded_s": plain * (1 + ratio),
+        "overhead_s": plain * ratio,
+        "overhead_ratio": ratio,
     }
 
 

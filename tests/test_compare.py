@@ -46,6 +46,7 @@ from lightning_ddp_amp.commands.compare import summary as compare_summary
 from lightning_ddp_amp.commands.compare import verdict as compare_verdict
 from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.run_folder import (
+    DEFAULT_GRAD_NORM_EVERY,
     FINAL_WEIGHTS,
     PLAN_VARIABLE,
     RECORD_FILE,
@@ -231,21 +232,26 @@ def test_the_report_agrees_with_a_plain_torch_loop(learning_rates: LearningRates
     finally:
         sys.path.remove(str(WORKERS))
 
+    norms: list[float] = []
+
     def train(lr: float) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         model, loader = build(lr)
         start = {k: v.clone() for k, v in model.state_dict().items()}
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         batches, losses = list(loader), []
+        norms.clear()
         for step in range(STEPS):
             x, y, _ = batches[step % len(batches)]
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model.net(x), y)
             loss.backward()
+            norms.append(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))))
             optimizer.step()
             losses.append(loss.item())
         return losses, start, model.state_dict()
 
     base_losses, start, base = train(0.1)
+    base_norms = list(norms)
     losses, _, weights = train(0.11)
     tail = max(1, STEPS // 10)  # the documented final loss: the mean of the last tenth of the steps
     final_difference = relative(sum(losses[-tail:]) / tail, sum(base_losses[-tail:]) / tail)
@@ -254,7 +260,11 @@ def test_the_report_agrees_with_a_plain_torch_loop(learning_rates: LearningRates
     summary = candidate(learning_rates.report, "32-true#3")["summary"]
     assert summary["final_loss_relative_difference"] == pytest.approx(final_difference, rel=1e-4)
     assert summary["weight_distance"] == pytest.approx(apart / travel, rel=1e-4)
-    assert candidate(learning_rates.report, "32-true")["series"]["loss"] == pytest.approx(base_losses, rel=1e-5)
+    series = candidate(learning_rates.report, "32-true")["series"]
+    assert series["loss"] == pytest.approx(base_losses, rel=1e-5)
+    every = DEFAULT_GRAD_NORM_EVERY  # the gradient norm: at every tenth step, None between
+    assert series["grad_norm"][::every] == pytest.approx(base_norms[::every], rel=1e-5) and every < STEPS
+    assert [value is None for value in series["grad_norm"]] == [step % every != 0 for step in range(STEPS)]
 
 
 def test_files_go_to_each_candidates_folder_never_to_the_scripts(learning_rates: LearningRates) -> None:
@@ -939,6 +949,10 @@ def test_a_self_launched_lightning_cli_script_is_compared_and_only_rank_zero_say
         (
             ["32", "bf16", "--snapshots", "0", "--", "x"],
             "--snapshots=0: the end is always one. Fix: pass --snapshots 1",
+        ),
+        (
+            ["32", "bf16", "--grad-norm-every", "0", "--", "x"],
+            "--grad-norm-every=0: it counts steps. Fix: pass 1 (every step) or more",
         ),
     ],
 )

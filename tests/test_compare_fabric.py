@@ -323,8 +323,17 @@ def recorded_fabric(
     return ScriptFabric(strategy=strategy, accelerator="cpu", devices=1)
 
 
-def train(fabric: Fabric, batches: int, log: bool = True, together: bool = False) -> list[float]:
+def train(
+    fabric: Fabric,
+    batches: int,
+    log: bool = True,
+    together: bool = False,
+    norms: list[float] | None = None,
+    nan_gradient_at: int | None = None,
+) -> list[float]:
     """A kept loop of two models and one optimizer, logging ``val_acc`` after each step; the losses it trained on.
+    ``norms`` gets the global norm of the gradients before each step; at batch ``nan_gradient_at`` the loss stays finite
+    and the head's weight gradient is NaN (``sqrt(0)``'s backward times 0), as nothing in float32 overflows.
     ``together``: the models set up with their optimizer in one call (``setup_models``, as apex needs)."""
     torch.manual_seed(0)
     encoder, head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
@@ -338,8 +347,13 @@ def train(fabric: Fabric, batches: int, log: bool = True, together: bool = False
     for batch in range(batches):
         x = torch.randn(16, 4)
         loss = torch.nn.functional.mse_loss(head(encoder(x)), x[:, :1])
+        if batch == nan_gradient_at:
+            loss = loss + torch.sqrt((head.weight * 0).sum())
         losses.append(float(loss.detach()))
         fabric.backward(loss)
+        if norms is not None:
+            grads = [p.grad for p in [*encoder.parameters(), *head.parameters()]]
+            norms.append(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))))
         optimizer.step()
         optimizer.zero_grad()
         if log:
@@ -365,8 +379,57 @@ def test_a_kept_loop_is_recorded_step_by_step_and_ends_cleanly_after_its_steps(
     assert (record["world_size"], record["ran_as"]) == (1, "Precision 32-true")
     (rank,) = record["ranks"]
     assert rank["step"] == [0, 1, 2] and rank["skipped"] == [False] * 3
-    assert all(math.isfinite(t) for t in rank["step_time_s"]) and all(n > 0 for n in rank["grad_norm"])
+    assert all(math.isfinite(t) for t in rank["step_time_s"])
     assert not at_exit  # the end wrote the record: nothing is left for the script's end
+
+
+def test_the_gradient_norm_is_the_norm_stepped_with_at_every_nth_step_and_none_between(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=7, grad_norm_every=3), batches=10)
+    torch.manual_seed(0)
+    norms: list[float] = []
+    train(Fabric(accelerator="cpu", devices=1), batches=7, log=False, norms=norms)
+    measured = merged_record(tmp_path)["ranks"][0]["grad_norm"]
+    assert measured[0::3] == pytest.approx(norms[0::3], rel=1e-6) and norms[3] != norms[0]
+    assert [value is None for value in measured] == [step % 3 != 0 for step in range(7)]
+
+
+@needs_cpu_fp16
+def test_the_gradient_norm_under_a_loss_scaler_is_the_unscaled_norm_the_optimizer_steps_with(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=1, precision="native-O1"), batches=10)
+    torch.manual_seed(0)
+    norms: list[float] = []
+    train(Fabric(accelerator="cpu", devices=1), batches=1, log=False, norms=norms)
+    rank = merged_record(tmp_path)["ranks"][0]
+    assert rank["loss_scale"] == [2.0**16] and rank["skipped"] == [False]
+    assert rank["grad_norm"][0] == pytest.approx(norms[0], rel=0.01)  # float16 forwards; not 65536 times it
+
+
+def test_a_finite_loss_with_non_finite_gradients_is_located_at_its_step_where_its_norm_is_measured(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=5, grad_norm_every=1), batches=10, nan_gradient_at=2)
+    found, after = merged_record(tmp_path)["ranks"][0]["overflows"][:2]
+    assert (found["step"], found["phase"], found["module"]) == (2, "loss", "(the loss)")
+    assert (after["step"], after["phase"]) == (3, "not re-run")  # 32-true: no scaler skipped step 2
+
+
+def test_between_measured_norms_the_step_after_names_the_weights_an_unchecked_step_left_not_finite(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=5, grad_norm_every=10), batches=10, nan_gradient_at=2)
+    rank = merged_record(tmp_path)["ranks"][0]
+    assert math.isfinite(rank["loss"][2]) and not math.isfinite(rank["loss"][3])
+    found = rank["overflows"][0]  # each step after it is NaN too, each located as far as MAX_LOCATED
+    assert (found["step"], found["phase"], found["module"], found["tensor"]) == (3, "not re-run", "module1", "weight")
+    assert "already not finite as the step started" in found["note"] and "--grad-norm-every 1" in found["note"]
 
 
 def test_the_loss_of_each_step_is_the_loss_handed_to_fabric_backward(

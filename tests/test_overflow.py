@@ -373,3 +373,28 @@ def test_model_calls_keep_the_calls_of_the_step_a_gan_trains_its_generator_on() 
     watching.remove()
     discriminator(real).sum().backward()
     assert calls.take() == []
+
+
+def test_weights_already_not_finite_are_named_as_such_and_not_re_run_through_either_door() -> None:
+    torch.manual_seed(0)
+    model = Model(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        model.net[2].weight[0, 3] = float("nan")
+    found = locate(model, torch.randn(16, 4), scale=1024.0)
+    assert (found["step"], found["loss_scale"], found["phase"]) == (7, 1024.0, "not re-run")
+    assert (found["module"], found["tensor"], found["dtype"]) == ("net.2", "weight", "torch.float32")
+    weight = model.net[2].weight.detach()
+    assert found["max_finite"] == pytest.approx(float(weight[weight.isfinite()].abs().max()))
+    assert "already not finite as the step started" in found["note"] and not model.logged  # nothing ran again
+
+    model_a, model_b = torch.nn.Linear(4, 8), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    _, calls = pipeline_step(model_a, model_b, torch.randn(16, 4))
+    with torch.no_grad():
+        model_b[1].bias.fill_(float("inf"))
+    found = locate_calls(calls)
+    assert (found["phase"], found["module"], found["tensor"], found["max_finite"]) == (
+        "not re-run",
+        "module1.1",
+        "bias",
+        0,
+    )

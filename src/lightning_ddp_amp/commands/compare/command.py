@@ -42,7 +42,13 @@ from lightning_ddp_amp.commands.compare import report as compare_report
 from lightning_ddp_amp.commands.compare import run_folder, terminal
 from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.comparable import stop_after_baseline
-from lightning_ddp_amp.commands.compare.run_folder import OUTPUT_FILES, PLAN_FILE, PLAN_VARIABLE, Plan
+from lightning_ddp_amp.commands.compare.run_folder import (
+    DEFAULT_GRAD_NORM_EVERY,
+    OUTPUT_FILES,
+    PLAN_FILE,
+    PLAN_VARIABLE,
+    Plan,
+)
 from lightning_ddp_amp.commands.compare.schema import BASELINE, CANDIDATE, NOISE_FLOOR, Role
 from lightning_ddp_amp.commands.compare.tolerance import Metric, Tolerance
 from lightning_ddp_amp.errors import CheckpointError, PrecisionConfigurationError
@@ -142,6 +148,14 @@ def parser() -> argparse.ArgumentParser:
         help=f"measure the weight distance at N points along the run (default {DEFAULT_SNAPSHOTS}; the baseline keeps"
         " its weights at each, on rank 0's disk; 1: at the end only)",
     )
+    parser.add_argument(
+        "--grad-norm-every",
+        type=int,
+        default=DEFAULT_GRAD_NORM_EVERY,
+        metavar="N",
+        help=f"measure the gradient norm at every N-th step (default {DEFAULT_GRAD_NORM_EVERY}; 1: every step, at the"
+        " cost of one more read of every gradient per step)",
+    )
     return parser
 
 
@@ -171,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         command_line.error(f"--steps={args.steps}: a run needs at least one step. Fix: pass --steps 1 or more")
     if args.snapshots < 1:
         command_line.error(f"--snapshots={args.snapshots}: the end is always one. Fix: pass --snapshots 1 or more")
+    if args.grad_norm_every < 1:
+        command_line.error(
+            f"--grad-norm-every={args.grad_norm_every}: it counts steps. Fix: pass 1 (every step) or more"
+        )
     names = [metric.name for metric in args.metric]
     if len(set(names)) < len(names):
         command_line.error(f"--metric={names}: a metric is named twice. Fix: name each metric once, with one tolerance")
@@ -193,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = Plan(
             candidate.name, candidate.precision, args.steps, str(candidate.directory), ckpt, index == 0, first_step,
             snapshots, str(candidates[0].directory), perturb=candidate.role == NOISE_FLOOR,
+            grad_norm_every=args.grad_norm_every,
         )  # fmt: skip
         candidate.returncode = _run(candidate, plan)
         stop = stop_after_baseline(candidate, args.metric) if index == 0 else None
@@ -218,7 +237,7 @@ def _check_precision(name: str, command_line: argparse.ArgumentParser) -> None:
 
 def _refuse_command_without_separator(options: list[str], command_line: argparse.ArgumentParser) -> None:
     """A training command given without ``--`` in front: say where it starts and how to write it."""
-    valued = {"--out", "--ckpt", "--steps", "--tolerance", "--metric", "--snapshots"}
+    valued = {"--out", "--ckpt", "--steps", "--tolerance", "--metric", "--snapshots", "--grad-norm-every"}
     for index, word in enumerate(options):
         if index and options[index - 1] in valued:
             continue  # an option's value, such as a path

@@ -160,18 +160,26 @@ class FabricRecording:
     def _before_step(self, optimizer: Any) -> int:
         recorder, plugin = self.recorder, self._fabric.strategy.precision
         step = len(recorder.step)
-        check = len(recorder.overflows) < overflow.MAX_LOCATED
-        if recorder.before_step(optimizer, step, plugin, self._fabric.device, check=check):
-            scale = recorder.loss_scale[-1]
-            self._locate(step, None if scale is None else float(scale))
+        if recorder.measures_norm(step):
+            # The norm after unscaling, as on the Trainer: a scaler unscales inside the step, so first unscale here as
+            # fabric.clip_gradients does (the step then does not unscale again).
+            plugin.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
+        if recorder.before_step(optimizer, step, plugin, self._fabric.device, check=bool(self._watching)):
+            self._locate(step)
         return step
 
-    def _locate(self, step: int, scale: float | None) -> None:
-        """Where the overflow of ``step`` happened: its model calls run again (:func:`overflow.locate_calls`). Once
-        the most a run locates are located, the models are no longer watched: nothing is left of the cost."""
-        plugin = self._fabric.strategy.precision
+    def _locate(self, step: int) -> None:
+        """Where the overflow of ``step`` happened: its model calls run again (:func:`overflow.locate_calls`), before
+        the step where its loss is not finite, after it where the scaler skipped it. Once the most a run locates are
+        located, the models are no longer watched: nothing is left of the cost."""
+        plugin, scale = self._fabric.strategy.precision, self.recorder.loss_scale[step]
         self.recorder.overflows.append(
-            overflow.locate_calls(self._calls.take(), step=step, scale=scale, context=plugin.forward_context)
+            overflow.locate_calls(
+                self._calls.take(),
+                step=step,
+                scale=None if scale is None else float(scale),
+                context=plugin.forward_context,
+            )
         )
         if len(self.recorder.overflows) >= overflow.MAX_LOCATED:
             for watching in self._watching:
@@ -183,7 +191,11 @@ class FabricRecording:
         closed = now(device)
         recorder.timed(self._opened, closed if self._opened is not None else None)
         self._opened = None
-        recorder.after_step(index, optimizer, plugin, loss_scale(plugin))
+        located = bool(recorder.overflows) and recorder.overflows[-1]["step"] == index
+        if recorder.after_step(
+            index, optimizer, plugin, loss_scale(plugin), check=bool(self._watching) and not located
+        ):
+            self._locate(index)
         if self._watching:
             self._calls.start_step()
         done = len(recorder.step)

@@ -54,6 +54,7 @@ class ModelCalls:
         self._calls: list[Call] = []
         self._open: dict[int, Call] = {}  # id(module) -> its call whose forward has not returned
         self._labels: dict[int, str] = {}
+        self._devices: dict[int, torch.device] = {}  # id(module) -> its device at its first call (after setup moved it)
 
     def watch(self, module: torch.nn.Module, label: str | None = None) -> Watching:
         """Keep every call of ``module`` from now on; the handle's ``remove()`` stops it (no cost left).
@@ -85,10 +86,12 @@ class ModelCalls:
     def _before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled() or self._open:  # evaluation, or a watched model called inside another
             return
-        device = _device(module)
+        key = id(module)
+        device = self._devices.get(key)
+        if device is None:
+            device = self._devices[key] = _device(module)
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        label = self._labels[id(module)]
-        self._open[id(module)] = Call(module, label, args, kwargs, (torch.get_rng_state(), cuda), device)
+        self._open[key] = Call(module, self._labels[key], args, kwargs, (torch.get_rng_state(), cuda), device)
 
     def _after(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         call = self._open.pop(id(module), None)

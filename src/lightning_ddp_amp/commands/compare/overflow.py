@@ -14,8 +14,11 @@ ran into the top of the range). The re-run changes nothing of the training: it r
 (not the DDP wrapper, so no collective), takes gradients with ``torch.autograd.grad`` (so no ``.grad`` is touched),
 turns ``self.log`` off, and puts the buffers (batchnorm statistics) and the random state back afterwards.
 
-It costs nothing until a step overflows: the recording only compares the step's gradient norm, which it computes
-anyway, with infinity. A step whose batch is one of several accumulated is re-run on its last batch only.
+It costs nothing until a step overflows: the recording reads whether the step's loss is finite before the step, and
+whether the loss scaler skipped it after (then the weights are the ones the step started from), and where it measures
+the gradient norm, whether that is finite. A step whose batch is one of several accumulated is re-run on its last batch
+only. Weights that are already not finite as the step starts (an earlier step, unchecked and unscaled, applied
+gradients that were not finite while its loss was) are reported as such, ``not re-run``: the step before is the place.
 
 A kept loop (Fabric) has no ``training_step``: :func:`locate_calls` runs again each recorded call of its set-up models
 (:mod:`~lightning_ddp_amp.commands.compare.model_calls`), the forwards in order, then each backward from the gradient
@@ -99,6 +102,9 @@ def _train_again(
 ) -> dict[str, Any]:
     if not pl_module.automatic_optimization:
         return located(step, scale, phase=NOT_RE_RUN, note="manual optimization steps inside training_step")
+    broken = weights_not_finite([("", pl_module)], step, scale)
+    if broken is not None:
+        return broken
     device = torch.device(pl_module.device)
     with _restored([pl_module], [device]), _logging_off(pl_module), _Watch(pl_module) as watch:
         _set_rng(rng, device)
@@ -128,6 +134,28 @@ def _train_again(
         note="the step's last batch trained again stays finite (an earlier batch of its accumulation window, or"
         " nondeterminism)",
     )
+
+
+def weights_not_finite(modules: list[tuple[str, Any]], step: int, scale: float | None) -> dict[str, Any] | None:
+    """The first weight that is already not finite as step ``step`` starts, as a located ``not re-run``; None when
+    every weight is finite. ``modules``: each with the name the report gives it (empty: the model itself)."""
+    for label, module in modules:
+        for name, parameter in module.named_parameters():
+            if parameter.is_floating_point() and not bool(torch.isfinite(parameter).all()):
+                owner, _, tensor = f"{label}.{name}".strip(".").rpartition(".")
+                return located(
+                    step,
+                    scale,
+                    phase=NOT_RE_RUN,
+                    module=owner or label or "(the model)",
+                    tensor=tensor,
+                    dtype=str(parameter.dtype),
+                    max_finite=_largest_finite(parameter.detach()),
+                    note="the weights were already not finite as the step started: an earlier step applied gradients"
+                    " that were not finite while its loss was, and no loss scaler skipped it. Run compare with"
+                    " --grad-norm-every 1 to check every step's gradients and locate that step",
+                )
+    return None
 
 
 def _training_step(pl_module: Any, batch: Any, batch_idx: int) -> Any:
@@ -178,6 +206,10 @@ def _run_calls_again(calls: list[Call], step: int, scale: float | None, context:
             step, scale, phase=NOT_REPRODUCED, note="no output of a set-up model received a gradient in the step"
         )
     modules = list({id(call.module): call.module for call in calls}.values())
+    labelled = list({id(call.module): (call.label, call.module) for call in calls}.values())
+    broken = weights_not_finite(labelled, step, scale)
+    if broken is not None:
+        return broken
     with _restored(modules, [call.device for call in calls]):
         for call in calls:
             with torch.no_grad(), _Watch(call.module, call.label) as watch:

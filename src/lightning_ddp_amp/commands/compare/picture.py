@@ -51,7 +51,8 @@ SCALE = {"relative_loss_difference": 100.0, "weight_distance": 100.0, "step_time
 
 
 def points(entry: CandidateEntry, key: str) -> tuple[list[float], list[float]]:
-    """The (x, y) a panel draws for one run: a missing or non-finite value is a gap (NaN)."""
+    """The (x, y) a panel draws for one run: a missing or non-finite value is a gap (NaN); the gradient norm's steps
+    are those it was measured at."""
     series = _series(entry)
     by_key: Mapping[str, Any] = series  # the panel's key, one of the series'
     factor = SCALE.get(key, 1.0)
@@ -59,6 +60,10 @@ def points(entry: CandidateEntry, key: str) -> tuple[list[float], list[float]]:
         pairs = [(step, value) for step, value in by_key[key]]
     elif key == "step_time_s":
         pairs = timed_steps(series)
+    elif key == "grad_norm":  # measured at every --grad-norm-every-th step: the line joins those
+        pairs = [
+            (step, value) for step, value in zip(series["step"], series["grad_norm"], strict=True) if value is not None
+        ]
     else:
         pairs = list(zip(series["step"], by_key[key], strict=True))
     xs = [float(step) for step, _ in pairs]

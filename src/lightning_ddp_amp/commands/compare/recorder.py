@@ -5,10 +5,12 @@
 (:mod:`~lightning_ddp_amp.commands.compare.recording` for the Trainer,
 :mod:`~lightning_ddp_amp.commands.compare.fabric_recording` for Fabric) calls it at each point of a step. Per step it
 keeps, on the device: the loss (the sum of the losses given to backward since the previous step, per ``loss_id``),
-the global norm of the gradients of what the optimizer steps (before clipping, after unscaling), the loss scale,
-whether the step was skipped, the learning rate and the step's time (CUDA events on a GPU). One value is read back per
-step, and only while overflows are still located: whether the gradient norm is finite (as loss scalers read their
-overflow flag). The rest stays on the device until the run ends (:meth:`Recorder.rank_record`).
+the loss scale, whether the step was skipped, the learning rate and the step's time (CUDA events on a GPU); and, at
+every ``plan.grad_norm_every``-th step only, the global norm of the gradients of what the optimizer steps (before
+clipping, after unscaling): one more read of every gradient, the one cost of the recording that grows with the model.
+While overflows are still located, whether the step overflowed is read back: before the step, whether its loss is
+finite (one value); after it, whether the loss scaler skipped it (read where the scaler already decided, on the host
+for apex). The rest stays on the device until the run ends (:meth:`Recorder.rank_record`).
 
 At the plan's snapshot steps the baseline's rank 0 saves its weights and any other run's rank 0 measures its
 distance to them (:meth:`Recorder.snapshot`).
@@ -77,7 +79,7 @@ class Recorder:
         self._pending_scale: Tensor | float | None = None
         self._loss: list[Tensor] = []
         self._loss_by_id: list[dict[int, Tensor]] = []
-        self._grad_norm: list[Tensor] = []
+        self._grad_norm: list[Tensor | None] = []  # None: a step whose norm was not measured
         self.loss_scale: list[Tensor | float | None] = []
         self._skipped: list[Tensor | bool] = []
         self._lr: list[float] = []
@@ -87,6 +89,7 @@ class Recorder:
         self.distances: list[tuple[int, float | None]] = []  # (global step, weight distance to the baseline's)
         self._snapshot_steps: list[int] = []  # the global steps the weights were measured at
         self._snapshots_reached: list[int] = []  # the plan's snapshots those measurements stand for
+        self._next_snapshot: float = min(plan.snapshots, default=math.inf)  # the first one not reached yet
         self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
         self.evaluations: list[Evaluation] = []
         self._document: dict[str, Any] | None = None
@@ -123,39 +126,48 @@ class Recorder:
         """Whether a loss was handed to backward since the previous step."""
         return bool(self._pending_loss)
 
+    def measures_norm(self, step: int) -> bool:
+        """Whether ``step``'s gradient norm is measured (``plan.grad_norm_every``)."""
+        return step % self.plan.grad_norm_every == 0
+
     def before_step(self, optimizer: Any, step: int, plugin: Any, device: torch.device, *, check: bool) -> bool:
-        """Keep what ``optimizer`` is about to step with; returns whether its gradients overflowed, read from the
-        device only when ``check`` (the door still locates overflows)."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) for grad in grads]
-        device = grads[0].device if grads else device
-        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
-        self._grad_norm.append(norm)
+        """Keep what ``optimizer`` is about to step with; returns whether the step overflowed, read from the device only
+        when ``check`` (the door still locates overflows): its loss is not finite, or, at a step whose gradient norm is
+        measured, its gradients are not. Such a step is located before the optimizer applies it, as no scaler may skip
+        it (a step the scaler skips is located after it, :meth:`after_step`)."""
         losses, self._pending_loss = self._pending_loss, {}
-        total = sum(losses.values()) if losses else torch.full((), float("nan"), device=device)
-        self._loss.append(total)  # type: ignore[arg-type]
+        norm = gradient_norm(optimizer, device) if self.measures_norm(step) else None
+        self._grad_norm.append(norm)
+        if len(losses) == 1:
+            (total,) = losses.values()
+        else:
+            total = sum(losses.values()) if losses else torch.full((), float("nan"), device=device)  # type: ignore[assignment]
+        self._loss.append(total)
         self._loss_by_id.append(losses)
         self.loss_scale.append(self._pending_scale if losses else loss_scale(plugin))
         self._pending_scale = None
         self._lr.append(float(optimizer.param_groups[0]["lr"]))
         self.step.append(step)
-        # The one device read per step: whether this step's gradients are finite (loss scalers read as much).
-        return (
-            check
-            and not bool(torch.isfinite(norm))
-            and not all(bool(torch.isfinite(grad).all()) for grad in grads)  # not only the norm overflowing fp32
-        )
+        if not check:
+            return False
+        if losses and not math.isfinite(total.item()):  # the one value read before each step (one op: item)
+            return True
+        return norm is not None and not bool(torch.isfinite(norm)) and not gradients_finite(optimizer)
 
-    def after_step(self, index: int, optimizer: Any, plugin: Any, scale_after: Tensor | float | None) -> None:
+    def after_step(
+        self, index: int, optimizer: Any, plugin: Any, scale_after: Tensor | float | None, *, check: bool = False
+    ) -> bool:
         """Whether step ``index`` was skipped: AmpPrecision says so; torch's scaler backs off exactly when it skipped
-        a step (``scale_after``: the scale once the step ran)."""
+        a step (``scale_after``: the scale once the step ran). Returns it, read from the device only when ``check``
+        (the door locates a skipped step's overflow after it: a skipped step left the weights as they were)."""
         scale = self.loss_scale[index]
+        skipped: Tensor | bool = False
         if hasattr(plugin, "step_skipped"):
-            self._skipped.append(bool(plugin.step_skipped(optimizer)))
+            skipped = bool(plugin.step_skipped(optimizer))
         elif isinstance(scale, Tensor) and isinstance(scale_after, Tensor):
-            self._skipped.append(scale_after < scale)
-        else:
-            self._skipped.append(False)
+            skipped = scale_after < scale
+        self._skipped.append(skipped)
+        return check and bool(skipped)
 
     def timed(self, opened: Any, closed: Any) -> None:
         """The time of the step last closed, from :func:`now` values."""
@@ -172,7 +184,10 @@ class Recorder:
     def snapshots_due(self, done: int) -> bool:
         """Whether ``done`` steps reach a plan snapshot not measured yet (steps go up by more than one where two
         optimizers step in a batch); marks them measured."""
+        if done < self._next_snapshot:  # every step asks: the answer is mostly this comparison
+            return False
         due = [step for step in self.plan.snapshots if step <= done and step not in self._snapshots_reached]
+        self._next_snapshot = min((s for s in self.plan.snapshots if s > done), default=math.inf)
         if due:
             self._snapshots_reached += due
             self._snapshot_steps.append(done)
@@ -245,7 +260,7 @@ class Recorder:
             "batch_hash": self.batch_hash,
             "step": self.step,
             "loss": floats(self._loss),
-            "grad_norm": floats(self._grad_norm),
+            "grad_norm": sparse_floats(self._grad_norm),
             "loss_scale": [None if s is None else float(s) for s in self.loss_scale],
             "skipped": [bool(s) for s in self._skipped],
             "lr": self._lr,
@@ -268,6 +283,29 @@ class Recorder:
 
 def floats(values: list[Tensor]) -> list[float]:
     return torch.stack(values).cpu().tolist() if values else []
+
+
+def sparse_floats(values: list[Tensor | None]) -> list[float | None]:
+    """:func:`floats` of a series measured at some steps only: None stays None."""
+    measured = iter(floats([value for value in values if value is not None]))
+    return [None if value is None else next(measured) for value in values]
+
+
+def gradient_norm(optimizer: Any, device: torch.device) -> Tensor:
+    """The global norm of the gradients ``optimizer`` is about to step with, on their device: a norm per tensor, then
+    the norm of those (no tensor of all the gradients at once)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) for grad in grads]
+    norm: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return norm
+
+
+def gradients_finite(optimizer: Any) -> bool:
+    """Whether every gradient ``optimizer`` steps with is finite (a norm can overflow float32 on finite ones)."""
+    params = (p for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+    return all(bool(torch.isfinite(p.grad).all()) for p in params)
 
 
 def now(device: torch.device) -> Any:

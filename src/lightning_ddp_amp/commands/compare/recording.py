@@ -139,20 +139,26 @@ class Recording:
         recorder, step, plugin = self.recorder, int(trainer.global_step), trainer.precision_plugin
         overflowed = recorder.before_step(optimizer, step, plugin, pl_module.device, check=self._batch is not None)
         self._stepped.append((len(recorder.step) - 1, optimizer))
-        if overflowed and self._batch is not None:
-            batch, batch_idx, rng = self._batch
-            scale = recorder.loss_scale[-1]
-            recorder.overflows.append(
-                overflow.locate(
-                    pl_module,
-                    batch,
-                    batch_idx,
-                    step=step,
-                    scale=None if scale is None else float(scale),
-                    rng=rng,
-                    context=plugin.train_step_context,
-                )
+        if overflowed:  # a loss that is not finite: located before the optimizer applies what it gave
+            self._locate(pl_module, plugin, len(recorder.step) - 1)
+
+    def _locate(self, pl_module: Any, plugin: Any, index: int) -> None:
+        """Where the overflow of step ``index`` happened: its batch trained again (:func:`overflow.locate`); at most
+        once per batch (the batch is then let go)."""
+        assert self._batch is not None
+        (batch, batch_idx, rng), self._batch = self._batch, None
+        scale = self.recorder.loss_scale[index]
+        self.recorder.overflows.append(
+            overflow.locate(
+                pl_module,
+                batch,
+                batch_idx,
+                step=self.recorder.step[index],
+                scale=None if scale is None else float(scale),
+                rng=rng,
+                context=plugin.train_step_context,
             )
+        )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._training() or not self._stepped:
@@ -162,7 +168,8 @@ class Recording:
         after = [recorder.loss_scale[index] for index, _ in self._stepped[1:]] + [loss_scale(plugin)]
         for (index, optimizer), scale_after in zip(self._stepped, after, strict=True):
             recorder.timed(self._opened, closed)
-            recorder.after_step(index, optimizer, plugin, scale_after)
+            if recorder.after_step(index, optimizer, plugin, scale_after, check=self._batch is not None):
+                self._locate(pl_module, plugin, index)  # skipped: the weights are the ones the step started from
         self._stepped = []
         self._opened = None
         self._batch = None

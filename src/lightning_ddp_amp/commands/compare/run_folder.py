@@ -34,6 +34,9 @@ ERRORS = "errors"
 RECORD_FILE = "record.json"
 FINAL_WEIGHTS = "weights-final.pt"
 START_WEIGHTS = "weights-start.pt"
+#: ``--grad-norm-every``: the gradient norm at one step in 10. At every step it is one more read of every gradient, about
+#: a tenth of a small model's step on a CPU (benchmarks/compare_overhead.py); one in 10 keeps compare's cost within 2%.
+DEFAULT_GRAD_NORM_EVERY = 10
 
 
 def snapshot_file(step: int) -> str:
@@ -68,6 +71,7 @@ class Plan:
             baseline saves its weights there, every other run measures its distance to them.
         baseline_directory: The baseline's folder, where those weights are.
         perturb: Move every initial weight one ulp up after the starting weights are hashed: the noise-floor run.
+        grad_norm_every: The gradient norm is measured at the global steps it divides (1: every step).
     """
 
     candidate: str
@@ -80,6 +84,7 @@ class Plan:
     snapshots: tuple[int, ...] = ()
     baseline_directory: str | None = None
     perturb: bool = False
+    grad_norm_every: int = DEFAULT_GRAD_NORM_EVERY
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=2))

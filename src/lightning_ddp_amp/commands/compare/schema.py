@@ -116,7 +116,7 @@ class Series(TypedDict):
     loss_by_id: dict[str, list[float | None]]
     skipped: list[bool]
     loss_scale: list[float | None]
-    grad_norm: list[float]
+    grad_norm: list[float | None]  #: None at a step it was not measured at (--grad-norm-every)
     lr: list[float]
     step_time_s: list[float]
     relative_loss_difference: list[float | None]
