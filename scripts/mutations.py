@@ -549,7 +549,15 @@ MUTATIONS = (
         "commands/compare/recording.py",
         "            if recorder.after_step(index, optimizer, plugin, scale_after, check=self._batch is not None):\n",
         "            if recorder.after_step(index, optimizer, plugin, scale_after, check=False):\n",
-        ("tests/test_compare.py", "-k", "skipped_step_names_the_module"),
+        ("tests/test_compare.py", "-k", "skips_on_a_finite_loss"),
+    ),
+    Mutation(
+        "fabric-skipped-step-not-located",
+        "a kept loop's step that the loss scaler skipped on a finite loss is never located",
+        "commands/compare/fabric_recording.py",
+        "            index, optimizer, plugin, loss_scale(plugin), check=bool(self._watching) and not located\n",
+        "            index, optimizer, plugin, loss_scale(plugin), check=False\n",
+        ("tests/test_compare_fabric.py", "-k", "skips_on_a_finite_loss"),
     ),
     Mutation(
         "broken-weights-re-run",

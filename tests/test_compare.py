@@ -1698,3 +1698,40 @@ def test_curves_apart_by_less_than_a_line_of_their_panel_take_turns_too() -> Non
     assert not compare_picture._coincide(one, far, placed)
     assert compare_picture._resolution([one, near], "relative_loss_difference") is None
     assert not compare_picture._coincide(one, near, None)
+
+
+class SkipsItsThirdBatch(pl.LightningModule):
+    """A finite loss whose gradients are NaN at batch 2 (``sqrt(0)``'s backward times 0): the loss scaler skips it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.net(batch).float().pow(2).mean()
+        return loss + torch.sqrt((self.net.weight * 0).sum()) if batch_idx == 2 else loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@needs_cpu_fp16
+def test_a_step_the_scaler_skips_on_a_finite_loss_is_located_after_it_from_the_weights_it_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doors_put_back(monkeypatch)
+    Plan("c", "native-O1", 4, str(tmp_path)).write(tmp_path / "plan.json")
+    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.randn(64, 4) / 100, batch_size=8)  # no float16 overflow of its own
+    pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet).fit(SkipsItsThirdBatch(), loader)
+    (rank,) = json.loads((tmp_path / RECORD_FILE).read_text())["ranks"]
+    assert rank["skipped"] == [False, False, True, False] and all(math.isfinite(loss) for loss in rank["loss"])
+    (found,) = rank["overflows"]
+    assert (found["step"], found["phase"], found["module"], found["tensor"]) == (
+        2,
+        "backward",
+        "net",
+        "weight gradient",
+    )

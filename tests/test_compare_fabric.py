@@ -410,6 +410,18 @@ def test_the_gradient_norm_under_a_loss_scaler_is_the_unscaled_norm_the_optimize
     assert rank["grad_norm"][0] == pytest.approx(norms[0], rel=0.01)  # float16 forwards; not 65536 times it
 
 
+@needs_cpu_fp16
+def test_a_step_the_scaler_skips_on_a_finite_loss_is_located_after_it_from_its_calls(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    with pytest.raises(SystemExit):
+        train(recorded_fabric(tmp_path, steps=4, precision="native-O1"), batches=10, nan_gradient_at=2)
+    rank = merged_record(tmp_path)["ranks"][0]
+    assert rank["skipped"] == [False, False, True, False] and all(math.isfinite(loss) for loss in rank["loss"])
+    (found,) = rank["overflows"]  # the step's loss was finite: found once the scaler skipped it
+    assert (found["step"], found["phase"], found["module"], found["loss_scale"]) == (2, "loss", "(the loss)", 2.0**16)
+
+
 def test_a_finite_loss_with_non_finite_gradients_is_located_at_its_step_where_its_norm_is_measured(
     tmp_path: Path, at_exit: list[Callable[[], None]]
 ) -> None:
