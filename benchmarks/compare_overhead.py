@@ -17,8 +17,12 @@ or each model call's arguments and output gradient kept (Fabric), and two timest
 How it measures: the plain and the recorded training run in two threads that take turns every ``--block`` steps (one
 runs while the other waits), so both see the same machine minute by minute; this 2-core VM's speed drifts by 10-20%
 over a minute, which alternating whole runs could not separate from a 2% cost. A step's time is the interval between
-consecutive step ends within a turn; per variant, the median after warm-up; a round is one such pair of runs, and the
-table gives the median of the rounds. Writes ``results/compare_overhead.json`` and ``.md``.
+consecutive step ends within a turn; the overhead of a round (one such pair of runs) is the median, over its turns
+after warm-up, of the ratio of the recorded turn's median step to the mean of the plain turns just before and after
+it, and the table gives
+the median of the rounds. Each round is run twice, the plain training first and the recorded one first (two trainings
+in one process are not alike: the order alone moved a Trainer's steps by 1-3% here), and each pair is averaged. A
+control does all of it with two plain trainings: the spread the method reads where there is nothing to find. Writes ``results/compare_overhead.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +77,7 @@ class Turns:
 
         return step_ended
 
-    def run(self, trainings: list[Callable[[Callable[[], None]], None]]) -> list[list[float]]:
+    def run(self, trainings: Sequence[Callable[..., None]]) -> list[list[float]]:
         threads = [
             threading.Thread(target=self._own_turns, args=(index, training), daemon=True)
             for index, training in enumerate(trainings)
@@ -184,21 +188,35 @@ def kept_loop(recorded: bool, args: argparse.Namespace, folder: str, step_ended:
 DOORS = {"trainer": fit, "fabric": kept_loop}
 
 
-def one_round(door: str, args: argparse.Namespace, folder: str) -> dict[str, float]:
-    """The plain and the recorded training of ``door``, taking turns; each one's median step time."""
+def one_round(door: str, args: argparse.Namespace, folder: str, *, recorded_first: bool) -> dict[str, float]:
+    """The plain and the recorded training of ``door``, taking turns (the recorded one built and run first where
+    ``recorded_first``): each one's median step time, and the median over the turns of the ratio of a recorded turn's
+    median step to the mean of the plain turns just before and after it, which drift does not reach."""
+    order = (True, False) if recorded_first else (False, True)
     trainings = [
-        lambda step_ended, recorded=recorded: DOORS[door](recorded, args, folder, step_ended)
-        for recorded in (False, True)
+        lambda step_ended, recorded=recorded: DOORS[door](recorded, args, folder, step_ended) for recorded in order
     ]
-    times = Turns(len(trainings), args.block).run(trainings)
-    return {variant: statistics.median(steps[WARMUP:]) for variant, steps in zip(VARIANTS, times, strict=True)}
+    times = dict(zip(order, Turns(len(trainings), args.block).run(trainings), strict=True))
+    plain, recorded, block = times[False], times[True], args.block
+    plain_turns = [statistics.median(plain[i : i + block]) for i in range(0, len(plain) - block + 1, block)]
+    recorded_turns = [statistics.median(recorded[i : i + block]) for i in range(0, len(recorded) - block + 1, block)]
+    before = 1 if recorded_first else 0  # the plain turn just before recorded turn i is i - 1 where it goes first
+    turns = [
+        recorded_turns[i] / ((plain_turns[i - before] + plain_turns[i - before + 1]) / 2)
+        for i in range(WARMUP // block + 1, min(len(recorded_turns), len(plain_turns) + before - 1))
+    ]
+    return {
+        "plain": statistics.median(plain[WARMUP:]),
+        "recorded": statistics.median(recorded[WARMUP:]),
+        "ratio": statistics.median(turns),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--door", choices=[*DOORS, "both"], default="both")
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="pairs of rounds: plain first, then recorded first")
     parser.add_argument("--block", type=int, default=20, help="steps per turn")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
@@ -209,35 +227,42 @@ def main() -> None:
     rounds: dict[str, list[dict[str, float]]] = {door: [] for door in doors}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.rounds):
-            for door in doors:
-                rounds[door].append(one_round(door, args, folder))
+            for recorded_first in (False, True):
+                for door in doors:
+                    rounds[door].append(one_round(door, args, folder, recorded_first=recorded_first))
     results = {door: _measured(rounds[door]) for door in doors}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     document = {"device": device, "torch": torch.__version__, "lightning": L.__version__, "settings": vars(args)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "compare_overhead.json").write_text(json.dumps({**document, "doors": results}, indent=2))
     model = f"MLP {args.depth + 2} layers, width {args.width}, batch 64, {args.precision}"
-    table = (
-        "| device | door | model | plain step | recorded step | overhead (rounds) |\n|---|---|---|---|---|---|\n"
-        + "".join(
-            f"| {device} | {door} | {model} | {r['median_plain_s'] * 1e3:.3f} ms | {r['median_recorded_s'] * 1e3:.3f} ms"
-            f" | {r['overhead_s'] * 1e6:+.0f} µs ({100 * r['overhead_ratio']:+.1f}%; "
-            + ", ".join(f"{100 * ratio:+.1f}%" for ratio in r["round_ratios"])
-            + ") |\n"
-            for door, r in results.items()
-        )
+    header = (
+        "| device | door | model | plain step | recorded step | overhead (rounds) | plain against plain (rounds) |\n"
     )
+    table = header + "|---|---|---|---|---|---|---|\n"
+    for door, r in results.items():
+        table += f"| {device} | {door} | {model} | {r['median_plain_s'] * 1e3:.3f} ms"
+        table += f" | {r['median_recorded_s'] * 1e3:.3f} ms | {_overhead(r)} | {_overhead(r['control'])} |\n"
     (RESULTS / "compare_overhead.md").write_text(table)
     print(table)
 
 
+def _overhead(result: dict[str, Any]) -> str:
+    rounds = ", ".join(f"{100 * ratio:+.1f}%" for ratio in result["round_ratios"])
+    return f"{result['overhead_s'] * 1e6:+.0f} µs ({100 * result['overhead_ratio']:+.1f}%; {rounds})"
+
+
 def _measured(rounds: list[dict[str, float]]) -> dict[str, Any]:
-    ratios = [r["recorded"] / r["plain"] - 1 for r in rounds]
+    """The overhead: per pair of rounds (plain first, recorded first) the mean of their ratios, which cancels what the
+    order of two trainings in one process costs the second; the median over the pairs."""
+    ratios = [r["ratio"] - 1 for r in rounds]
+    pairs = [(ratios[i] + ratios[i + 1]) / 2 for i in range(0, len(ratios) - 1, 2)]
     plain = statistics.median(r["plain"] for r in rounds)
-    ratio = statistics.median(ratios)
+    ratio = statistics.median(pairs)
     return {
         "rounds": rounds,
         "round_ratios": ratios,
+        "pair_ratios": pairs,
         "median_plain_s": plain,
         "median_recorded_s": plain * (1 + ratio),
         "overhead_s": plain * ratio,

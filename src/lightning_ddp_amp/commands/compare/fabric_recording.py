@@ -65,7 +65,8 @@ class FabricRecording:
         self._backward_seen = False  # a loss went through fabric.backward: a later step without one is a NaN loss
         self._calls = ModelCalls()  # each set-up model's calls of the coming step, to locate an overflow
         self._watching: list[Watching] = []
-        plugin = fabric.strategy.precision
+        self._plugin = plugin = fabric.strategy.precision
+        self._device: torch.device | None = None  # the Fabric's device, read once the loop steps (setup has placed it)
         convert_module, convert_input = plugin.convert_module, plugin.convert_input
         backward, log_dict = fabric.backward, fabric.log_dict
         setup, setup_optimizers = fabric.setup, fabric.setup_optimizers
@@ -78,7 +79,7 @@ class FabricRecording:
         def timed_convert_input(data: Any) -> Any:
             if torch.is_grad_enabled() and not self._written:  # an evaluation's forward is no step's
                 if self._opened is None:
-                    self._opened = now(fabric.device)
+                    self._opened = now(self._device or fabric.device)
                 if self.recorder.batch_hash is None:
                     self.recorder.batch_hash = hash_batch(data)
             return convert_input(data)
@@ -158,13 +159,15 @@ class FabricRecording:
     _ended = False  # --steps ended the run on this rank
 
     def _before_step(self, optimizer: Any) -> int:
-        recorder, plugin = self.recorder, self._fabric.strategy.precision
+        recorder, plugin = self.recorder, self._plugin
+        if self._device is None:
+            self._device = self._fabric.device
         step = len(recorder.step)
         if recorder.measures_norm(step):
             # The norm after unscaling, as on the Trainer: a scaler unscales inside the step, so first unscale here as
             # fabric.clip_gradients does (the step then does not unscale again).
             plugin.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
-        if recorder.before_step(optimizer, step, plugin, self._fabric.device, check=bool(self._watching)):
+        if recorder.before_step(optimizer, step, plugin, self._device, check=bool(self._watching)):
             self._locate(step)
         return step
 
@@ -172,7 +175,7 @@ class FabricRecording:
         """Where the overflow of ``step`` happened: its model calls run again (:func:`overflow.locate_calls`), before
         the step where its loss is not finite, after it where the scaler skipped it. Once the most a run locates are
         located, the models are no longer watched: nothing is left of the cost."""
-        plugin, scale = self._fabric.strategy.precision, self.recorder.loss_scale[step]
+        plugin, scale = self._plugin, self.recorder.loss_scale[step]
         self.recorder.overflows.append(
             overflow.locate_calls(
                 self._calls.take(),
@@ -187,8 +190,8 @@ class FabricRecording:
             self._watching = []
 
     def _after_step(self, index: int, optimizer: Any) -> None:
-        recorder, plugin, device = self.recorder, self._fabric.strategy.precision, self._fabric.device
-        closed = now(device)
+        recorder, plugin = self.recorder, self._plugin
+        closed = now(self._device or self._fabric.device)
         recorder.timed(self._opened, closed if self._opened is not None else None)
         self._opened = None
         located = bool(recorder.overflows) and recorder.overflows[-1]["step"] == index
@@ -206,7 +209,7 @@ class FabricRecording:
 
     def _weights(self) -> dict[str, Tensor]:
         modules = [(f"module{index}.", module) for index, module in enumerate(self._modules)]
-        return trained_weights(modules, self._fabric.strategy.precision)
+        return trained_weights(modules, self._plugin)
 
     def _logged(self, metrics: Mapping[str, Any]) -> None:
         """Rank 0's scalars of a ``fabric.log`` / ``log_dict``, as one evaluation per step done."""
@@ -269,7 +272,7 @@ class FabricRecording:
         (Path(self.plan.directory) / partial_file(rank)).write_text(json.dumps(document))
 
     def _header(self) -> dict[str, Any]:
-        return self.recorder.header(ran_as(self._fabric.strategy.precision), int(self._fabric.world_size))
+        return self.recorder.header(ran_as(self._plugin), int(self._fabric.world_size))
 
 
 def _no_backward(step: int, optimizer: Any) -> CompareScriptError:

@@ -5,11 +5,11 @@ run again is each call of a set-up model's forward, so :class:`ModelCalls` keeps
 
 * the module and its arguments (references: the tensors the step holds anyway until its backward);
 * the random state just before the call (CPU, and the module's CUDA device), so dropout draws the same mask;
-* through a tensor hook on each floating output, the gradient that reached that output in the real backward (scaled,
-  as the backward ran), summed where several backward passes reached it.
+* each floating output, told to ``retain_grad()``: after the real backward its ``.grad`` is the gradient that reached
+  it (scaled, as the backward ran), summed where several backward passes reached it.
 
-Per call that is a forward pre-hook, a forward hook and a tensor hook per output, and one copy of the CPU random state
-(5 KB, under a microsecond); nothing is read from the device. A call under ``torch.no_grad`` (evaluation inside the
+Per call that is a forward pre-hook, a forward hook, ``retain_grad()`` per output (torch's own hook: no Python runs in
+the backward), and one copy of the CPU random state (5 KB); nothing is read from the device. A call under ``torch.no_grad`` (evaluation inside the
 loop) is not kept. :func:`~lightning_ddp_amp.commands.compare.overflow.locate_calls` runs the calls again.
 """
 
@@ -34,13 +34,21 @@ class Call:
     kwargs: dict[str, Any]
     rng: tuple[Tensor, Tensor | None]  #: the CPU and (on CUDA) the module's device random state before the call
     device: torch.device
-    #: per floating output, in :func:`floating` order: the gradient it received in the real backward (None: none yet)
-    gradients: list[Tensor | None] = field(default_factory=list)
+    #: per floating output, in :func:`floating` order: the output, retaining its gradient (None: it needs none)
+    outputs: list[Tensor | None] = field(default_factory=list)
     stepped: bool = False  #: an optimizer step has run since the call
+
+    @property
+    def gradients(self) -> list[Tensor | None]:
+        """Per floating output, the gradient it received in the real backward (None: none yet, or it needs none)."""
+        return [None if output is None else output.grad for output in self.outputs]
 
     def received(self) -> bool:
         """Whether any output of the call received a gradient."""
-        return any(grad is not None for grad in self.gradients)
+        for output in self.outputs:  # a loop, not any(): this runs for every call at every step
+            if output is not None and output.grad is not None:
+                return True
+        return False
 
 
 class ModelCalls:
@@ -74,7 +82,9 @@ class ModelCalls:
 
         A call whose outputs have no gradient yet is kept through one step: a GAN computes ``G(z)`` before the
         discriminator's step and backpropagates through it in the generator's."""
-        self._calls = [call for call in self._calls if not call.received() and not call.stepped]
+        if not self._calls:
+            return
+        self._calls = [call for call in self._calls if not call.stepped and not call.received()]
         for call in self._calls:
             call.stepped = True
 
@@ -97,18 +107,14 @@ class ModelCalls:
         call = self._open.pop(id(module), None)
         if call is None:
             return
-        outputs = list(floating(output))
-        call.gradients = [None] * len(outputs)
-        for index, tensor in enumerate(outputs):
-            if tensor.requires_grad:
-                tensor.register_hook(lambda grad, call=call, index=index: _received(call, index, grad))  # type: ignore[no-untyped-call]
-        if any(tensor.requires_grad for tensor in outputs):
+        call.outputs = [tensor if tensor.requires_grad else None for tensor in floating(output)]
+        kept = False
+        for tensor in call.outputs:
+            if tensor is not None:
+                tensor.retain_grad()
+                kept = True
+        if kept:
             self._calls.append(call)
-
-
-def _received(call: Call, index: int, grad: Tensor) -> None:
-    before = call.gradients[index]
-    call.gradients[index] = grad.detach() if before is None else before + grad.detach()
 
 
 def _device(module: torch.nn.Module) -> torch.device:

@@ -78,6 +78,8 @@ class Recording:
         self._stepped: list[tuple[int, Any]] = []  # (index, optimizer) of this batch's steps
         self._restore: list[Callable[[], None]] = []
         self._batch: tuple[Any, int, tuple[Tensor, Tensor | None]] | None = None  # for locating an overflow
+        self._device: torch.device | None = None  # the LightningModule's, read at the first batch (placed by then)
+        self._plugin: Any = None  # the Trainer's precision plugin
 
     # -- hooks -------------------------------------------------------------------------------------------------------
 
@@ -91,6 +93,7 @@ class Recording:
         if trainer.global_rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             print(self.changes.describe(self.plan.candidate), file=sys.stderr, flush=True)
         strategy, plugin = trainer.strategy, trainer.precision_plugin
+        self._plugin = plugin
         setup, backward, convert_input = strategy.setup, strategy.backward, plugin.convert_input
         recorder = self.recorder
 
@@ -122,22 +125,26 @@ class Recording:
         return self._active and not self._finished
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self._training():
+        if not self._active or self._finished:  # _training(), inline: this runs at every batch
             return
         if self.recorder.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
             self.recorder.batch_hash = hash_batch(batch)
+        device = self._device
+        if device is None:
+            device = self._device = torch.device(pl_module.device)
         if self._opened is None:
-            self._opened = now(pl_module.device)
+            self._opened = now(device)
         if len(self.recorder.overflows) < overflow.MAX_LOCATED:
-            device = torch.device(pl_module.device)
             cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
             self._batch = (batch, batch_idx, (torch.get_rng_state(), cuda_rng))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if not self._training():
+        if not self._active or self._finished:
             return
-        recorder, step, plugin = self.recorder, int(trainer.global_step), trainer.precision_plugin
-        overflowed = recorder.before_step(optimizer, step, plugin, pl_module.device, check=self._batch is not None)
+        recorder, plugin = self.recorder, self._plugin
+        overflowed = recorder.before_step(
+            optimizer, trainer.global_step, plugin, self._device or pl_module.device, check=self._batch is not None
+        )
         self._stepped.append((len(recorder.step) - 1, optimizer))
         if overflowed:  # a loss that is not finite: located before the optimizer applies what it gave
             self._locate(pl_module, plugin, len(recorder.step) - 1)
@@ -161,10 +168,10 @@ class Recording:
         )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self._training() or not self._stepped:
+        if not self._stepped or not self._active or self._finished:
             return  # an accumulation window goes on
-        closed = now(pl_module.device)
-        plugin, recorder = trainer.precision_plugin, self.recorder
+        closed = now(self._device or pl_module.device)
+        plugin, recorder = self._plugin, self.recorder
         after = [recorder.loss_scale[index] for index, _ in self._stepped[1:]] + [loss_scale(plugin)]
         for (index, optimizer), scale_after in zip(self._stepped, after, strict=True):
             recorder.timed(self._opened, closed)
@@ -173,7 +180,7 @@ class Recording:
         self._stepped = []
         self._opened = None
         self._batch = None
-        done = int(trainer.global_step)
+        done = recorder.step[-1] + 1  # trainer.global_step, without its chain of properties at every batch
         if recorder.snapshots_due(done):  # the first batch at or past a snapshot
             weights = functools.partial(trained_weights, [("", pl_module)], plugin)
             recorder.snapshot(weights, done, int(trainer.global_rank))
