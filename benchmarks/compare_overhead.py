@@ -10,7 +10,7 @@ which also watches each model call of the step for the overflow locator).
 
 The recording keeps its values on the device until the run ends and reads back one per step (whether the loss is
 finite, for the overflow locator), so the difference is the work itself: the series' bookkeeping, a gradient norm at
-every ``--grad-norm-every``-th step (10, compare's default), the random state taken before each batch (the Trainer)
+every ``--grad-norm-every``-th step (20, compare's default), the random state taken before each batch (the Trainer)
 or each model call's arguments and output gradient kept (Fabric), and two timestamps. Weight snapshots are off here
 (the plan names no baseline folder).
 
@@ -70,8 +70,7 @@ class Turns:
             now = time.perf_counter()
             self.times[index].append(now - last[0])
             done[0] += 1
-            if done[0] % self.block == 0:
-                self._hand_over(index)
+            if done[0] % self.block == 0 and self._hand_over(index):
                 self._go[index].acquire()
             last[0] = time.perf_counter()
 
@@ -98,13 +97,15 @@ class Turns:
             self._finished[index] = True
             self._hand_over(index)
 
-    def _hand_over(self, index: int) -> None:
+    def _hand_over(self, index: int) -> bool:
+        """Let the next training not finished run; False when every other one has finished (this one goes on)."""
         count = len(self._go)
-        for offset in range(1, count + 1):
+        for offset in range(1, count):
             other = (index + offset) % count
-            if not self._finished[other] and other != index:
+            if not self._finished[other]:
                 self._go[other].release()
-                return
+                return True
+        return False
 
 
 class StepClock(L.Callback):
@@ -188,13 +189,17 @@ def kept_loop(recorded: bool, args: argparse.Namespace, folder: str, step_ended:
 DOORS = {"trainer": fit, "fabric": kept_loop}
 
 
-def one_round(door: str, args: argparse.Namespace, folder: str, *, recorded_first: bool) -> dict[str, float]:
+def one_round(
+    door: str, args: argparse.Namespace, folder: str, *, recorded_first: bool, control: bool = False
+) -> dict[str, float]:
     """The plain and the recorded training of ``door``, taking turns (the recorded one built and run first where
     ``recorded_first``): each one's median step time, and the median over the turns of the ratio of a recorded turn's
-    median step to the mean of the plain turns just before and after it, which drift does not reach."""
+    median step to the mean of the plain turns just before and after it, which drift does not reach. With ``control``
+    the "recorded" training is a plain one too: what the method reads where there is nothing to find."""
     order = (True, False) if recorded_first else (False, True)
     trainings = [
-        lambda step_ended, recorded=recorded: DOORS[door](recorded, args, folder, step_ended) for recorded in order
+        lambda step_ended, recorded=recorded: DOORS[door](recorded and not control, args, folder, step_ended)
+        for recorded in order
     ]
     times = dict(zip(order, Turns(len(trainings), args.block).run(trainings), strict=True))
     plain, recorded, block = times[False], times[True], args.block
@@ -225,12 +230,14 @@ def main() -> None:
     args = parser.parse_args()
     doors = list(DOORS) if args.door == "both" else [args.door]
     rounds: dict[str, list[dict[str, float]]] = {door: [] for door in doors}
+    controls: dict[str, list[dict[str, float]]] = {door: [] for door in doors}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.rounds):
             for recorded_first in (False, True):
                 for door in doors:
                     rounds[door].append(one_round(door, args, folder, recorded_first=recorded_first))
-    results = {door: _measured(rounds[door]) for door in doors}
+                    controls[door].append(one_round(door, args, folder, recorded_first=recorded_first, control=True))
+    results = {door: {**_measured(rounds[door]), "control": _measured(controls[door])} for door in doors}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     document = {"device": device, "torch": torch.__version__, "lightning": L.__version__, "settings": vars(args)}
     RESULTS.mkdir(exist_ok=True)

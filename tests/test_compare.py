@@ -46,7 +46,6 @@ from lightning_ddp_amp.commands.compare import summary as compare_summary
 from lightning_ddp_amp.commands.compare import verdict as compare_verdict
 from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.run_folder import (
-    DEFAULT_GRAD_NORM_EVERY,
     FINAL_WEIGHTS,
     PLAN_VARIABLE,
     RECORD_FILE,
@@ -128,7 +127,7 @@ class LearningRates:
         ]  # fmt: skip
         self.result = run_compare(
             root, "32-true", "32-true", "32-true", "32-true", "apex-O1", "32-true", "--steps", str(STEPS),
-            "--out", "out", *baseline, *as_module, *script("--min-steps", "1000", "--lr", "0.11"),
+            "--grad-norm-every", "5", "--out", "out", *baseline, *as_module, *script("--min-steps", "1000", "--lr", "0.11"),
             *script("--crash-at", "1"), *script("--strategy", "ddp"), *restarted,
             apex_double=True,
             timeout=600,
@@ -262,7 +261,7 @@ def test_the_report_agrees_with_a_plain_torch_loop(learning_rates: LearningRates
     assert summary["weight_distance"] == pytest.approx(apart / travel, rel=1e-4)
     series = candidate(learning_rates.report, "32-true")["series"]
     assert series["loss"] == pytest.approx(base_losses, rel=1e-5)
-    every = DEFAULT_GRAD_NORM_EVERY  # the gradient norm: at every tenth step, None between
+    every = 5  # --grad-norm-every 5: the gradient norm at steps 0, 5 and 10, None between
     assert series["grad_norm"][::every] == pytest.approx(base_norms[::every], rel=1e-5) and every < STEPS
     assert [value is None for value in series["grad_norm"]] == [step % every != 0 for step in range(STEPS)]
 

@@ -380,6 +380,7 @@ def test_a_kept_loop_is_recorded_step_by_step_and_ends_cleanly_after_its_steps(
     (rank,) = record["ranks"]
     assert rank["step"] == [0, 1, 2] and rank["skipped"] == [False] * 3
     assert all(math.isfinite(t) for t in rank["step_time_s"])
+    assert [norm is None for norm in rank["grad_norm"]] == [False, True, True]  # by default at every 20th step
     assert not at_exit  # the end wrote the record: nothing is left for the script's end
 
 

@@ -45,10 +45,7 @@ class Call:
 
     def received(self) -> bool:
         """Whether any output of the call received a gradient."""
-        for output in self.outputs:  # a loop, not any(): this runs for every call at every step
-            if output is not None and output.grad is not None:
-                return True
-        return False
+        return any(output is not None and output.grad is not None for output in self.outputs)
 
 
 class ModelCalls:

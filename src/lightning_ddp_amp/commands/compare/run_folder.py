@@ -34,9 +34,10 @@ ERRORS = "errors"
 RECORD_FILE = "record.json"
 FINAL_WEIGHTS = "weights-final.pt"
 START_WEIGHTS = "weights-start.pt"
-#: ``--grad-norm-every``: the gradient norm at one step in 10. At every step it is one more read of every gradient, about
-#: a tenth of a small model's step on a CPU (benchmarks/compare_overhead.py); one in 10 keeps compare's cost within 2%.
-DEFAULT_GRAD_NORM_EVERY = 10
+#: ``--grad-norm-every``: the gradient norm at one step in 20 (10 points along compare's default 200 steps). At every step
+#: it is one more read of every gradient: on the bench MLP on 2 CPU cores about 250 µs, 8% of the step
+#: (benchmarks/compare_overhead.py); at one step in 20, 0.4%.
+DEFAULT_GRAD_NORM_EVERY = 20
 
 
 def snapshot_file(step: int) -> str:
