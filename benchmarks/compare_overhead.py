@@ -2,6 +2,7 @@
 
     python benchmarks/compare_overhead.py                  # CPU (or the GPU, when there is one), ~3 minutes
     python benchmarks/compare_overhead.py --door fabric --steps 1200 --rounds 3 --width 1024
+    python benchmarks/compare_overhead.py --direct         # compare's own code per step, entry point by entry point
 
 ``trainer``: the same ``fit`` with and without the recording callback. ``fabric``: the same kept loop (a plain
 ``torch.nn.Module``, ``fabric.setup``, ``fabric.backward``, ``optimizer.step``) on a Fabric built plainly and on one
@@ -19,10 +20,11 @@ runs while the other waits), so both see the same machine minute by minute; this
 over a minute, which alternating whole runs could not separate from a 2% cost. A step's time is the interval between
 consecutive step ends within a turn; the overhead of a round (one such pair of runs) is the median, over its turns
 after warm-up, of the ratio of the recorded turn's median step to the mean of the plain turns just before and after
-it, and the table gives
-the median of the rounds. Each round is run twice, the plain training first and the recorded one first (two trainings
-in one process are not alike: the order alone moved a Trainer's steps by 1-3% here), and each pair is averaged. A
-control does all of it with two plain trainings: the spread the method reads where there is nothing to find. Writes ``results/compare_overhead.json`` and ``.md``.
+it. Each round is run twice, the plain training first and the recorded one first (two trainings in one process are not
+alike: the order alone moved a Trainer's steps by 1-3% here), each pair is averaged, and the table gives the median of
+the pairs. A control does all of it with two plain trainings: the spread the method reads where there is nothing to
+find. Writes ``results/compare_overhead.json`` and ``.md``. ``--direct`` times compare's own code instead
+(:func:`direct`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_amp.commands.compare.fabric_recording import FabricRecording
+from lightning_ddp_amp.commands.compare.model_calls import ModelCalls
+from lightning_ddp_amp.commands.compare.recorder import Recorder
 from lightning_ddp_amp.commands.compare.recording import Changes, Recording
 from lightning_ddp_amp.commands.compare.run_folder import DEFAULT_GRAD_NORM_EVERY, Plan
 
@@ -217,6 +221,60 @@ def one_round(
     }
 
 
+#: ``--direct``: the recording's entry points on each door, none inside another (each is timed whole), as
+#: (owner, method name) pairs: what one step runs of compare's own code, besides the few lines of the shadows that call
+#: them.
+ENTRY_POINTS = {
+    "trainer": [
+        (Recording, "on_train_batch_start"),
+        (Recording, "on_before_optimizer_step"),
+        (Recording, "on_train_batch_end"),
+        (Recorder, "backward"),
+    ],
+    "fabric": [
+        (FabricRecording, "_before_step"),
+        (FabricRecording, "_after_step"),
+        (ModelCalls, "_before"),
+        (ModelCalls, "_after"),
+        (Recorder, "backward"),
+    ],
+}
+
+
+def direct(door: str, args: argparse.Namespace, folder: str) -> dict[str, float]:
+    """Each entry point's time per step inside a recorded training (after warm-up), in seconds: a reading this VM's
+    drift does not reach, as it times only compare's own code (not what that code costs the training's next steps, in
+    caches, which the turns see)."""
+    spent: dict[str, int] = {}
+    steps = [0]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in ENTRY_POINTS[door]]
+
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*method_args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return method(*method_args, **kwargs)
+            finally:
+                if steps[0] >= WARMUP:
+                    spent[name] = spent.get(name, 0) + time.perf_counter_ns() - start
+
+        return run
+
+    def step_ended() -> None:
+        steps[0] += 1
+
+    for owner, name, method in originals:
+        setattr(owner, name, timed(f"{owner.__name__}.{name}", method))
+    try:
+        with contextlib.suppress(SystemExit):
+            DOORS[door](True, args, folder, step_ended)
+    finally:
+        for owner, name, method in originals:
+            setattr(owner, name, method)
+    counted = max(1, steps[0] - WARMUP)
+    return {name: total / counted / 1e9 for name, total in sorted(spent.items(), key=lambda item: -item[1])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--door", choices=[*DOORS, "both"], default="both")
@@ -227,8 +285,17 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--grad-norm-every", type=int, default=DEFAULT_GRAD_NORM_EVERY)
+    parser.add_argument("--direct", action="store_true", help="time compare's own code per step instead (see direct)")
     args = parser.parse_args()
     doors = list(DOORS) if args.door == "both" else [args.door]
+    if args.direct:
+        with tempfile.TemporaryDirectory() as folder:
+            for door in doors:
+                spent = direct(door, args, folder)
+                print(f"{door}: {sum(spent.values()) * 1e6:.1f} µs per step of compare's own code")
+                for name, seconds in spent.items():
+                    print(f"  {name:40s} {seconds * 1e6:6.1f} µs")
+        return
     rounds: dict[str, list[dict[str, float]]] = {door: [] for door in doors}
     controls: dict[str, list[dict[str, float]]] = {door: [] for door in doors}
     with tempfile.TemporaryDirectory() as folder:

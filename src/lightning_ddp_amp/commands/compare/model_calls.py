@@ -9,8 +9,8 @@ run again is each call of a set-up model's forward, so :class:`ModelCalls` keeps
   it (scaled, as the backward ran), summed where several backward passes reached it.
 
 Per call that is a forward pre-hook, a forward hook, ``retain_grad()`` per output (torch's own hook: no Python runs in
-the backward), and one copy of the CPU random state (5 KB); nothing is read from the device. A call under ``torch.no_grad`` (evaluation inside the
-loop) is not kept. :func:`~lightning_ddp_amp.commands.compare.overflow.locate_calls` runs the calls again.
+the backward), and one copy of the CPU random state (5 KB); nothing is read from the device. A call under
+``torch.no_grad`` (evaluation inside the loop) is not kept. :func:`~lightning_ddp_amp.commands.compare.overflow.locate_calls` runs the calls again.
 """
 
 from __future__ import annotations
