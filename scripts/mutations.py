@@ -536,6 +536,14 @@ MUTATIONS = (
         ("tests/test_compare_fabric.py", "-k", "unscaled"),
     ),
     Mutation(
+        "fabric-fused-optimizer-norm-crashes",
+        "a kept loop with a fused optimizer under Lightning's 16-mixed crashes at the first measured gradient norm",
+        "commands/compare/fabric_recording.py",
+        "            except NotImplementedError:\n",
+        "            except ValueError:\n",
+        ("tests/test_compare_fabric.py", "-k", "fused_step"),
+    ),
+    Mutation(
         "grad-norm-at-every-step",
         "the gradient norm is measured at every step whatever --grad-norm-every says: its cost comes back",
         "commands/compare/recorder.py",

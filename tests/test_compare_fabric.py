@@ -33,6 +33,8 @@ from lightning_ddp_amp.commands.compare import doors, run_files, run_folder
 from lightning_ddp_amp.commands.compare.candidate import Candidate
 from lightning_ddp_amp.commands.compare.comparable import missing_metric
 from lightning_ddp_amp.commands.compare.fabric_patching import PRECISION_VARIABLE, changes_of, patch_fabric
+from lightning_ddp_amp.commands.compare.fabric_recording import FabricRecording
+from lightning_ddp_amp.commands.compare.recorder import Changes
 from lightning_ddp_amp.commands.compare.run_folder import (
     FINAL_WEIGHTS,
     PLAN_VARIABLE,
@@ -409,6 +411,32 @@ def test_the_gradient_norm_under_a_loss_scaler_is_the_unscaled_norm_the_optimize
     rank = merged_record(tmp_path)["ranks"][0]
     assert rank["loss_scale"] == [2.0**16] and rank["skipped"] == [False]
     assert rank["grad_norm"][0] == pytest.approx(norms[0], rel=0.01)  # float16 forwards; not 65536 times it
+
+
+@needs_cpu_fp16
+def test_under_an_optimizer_that_unscales_in_its_own_fused_step_the_norm_is_divided_by_the_scale(
+    tmp_path: Path, at_exit: list[Callable[[], None]]
+) -> None:
+    # Lightning's MixedPrecision refuses to unscale for it (NotImplementedError), as for fabric.clip_gradients.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    FabricRecording(fabric, Plan("run", "16-mixed", 2, str(tmp_path)), Changes(door="Fabric"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    assert optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
+    model, optimizer = fabric.setup(model, optimizer)
+    x = torch.randn(16, 4)
+    loss = model(x).float().pow(2).mean()
+    fabric.backward(loss)
+    expected = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))) / 1024
+    with pytest.raises(SystemExit):
+        for _ in range(2):
+            optimizer.step()
+            optimizer.zero_grad()
+            fabric.backward(model(x).float().pow(2).mean())
+    rank = merged_record(tmp_path)["ranks"][0]
+    assert rank["skipped"] == [False, False] and rank["grad_norm"][0] == pytest.approx(expected, rel=1e-6)
 
 
 @needs_cpu_fp16

@@ -163,11 +163,16 @@ class FabricRecording:
         if self._device is None:
             self._device = self._fabric.device
         step = len(recorder.step)
+        scaled_by = None
         if recorder.measures_norm(step):
             # The norm after unscaling, as on the Trainer: a scaler unscales inside the step, so first unscale here as
-            # fabric.clip_gradients does (the step then does not unscale again).
-            plugin.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
-        if recorder.before_step(optimizer, step, plugin, self._device, check=bool(self._watching)):
+            # fabric.clip_gradients does (the step then does not unscale again). Lightning's MixedPrecision refuses for
+            # an optimizer that unscales inside its own (fused) step: there the norm is divided by the scale instead.
+            try:
+                plugin.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
+            except NotImplementedError:
+                scaled_by = loss_scale(plugin)
+        if recorder.before_step(optimizer, step, plugin, self._device, check=bool(self._watching), scaled_by=scaled_by):
             self._locate(step)
         return step
 

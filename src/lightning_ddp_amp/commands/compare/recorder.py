@@ -130,13 +130,25 @@ class Recorder:
         """Whether ``step``'s gradient norm is measured (``plan.grad_norm_every``)."""
         return step % self.plan.grad_norm_every == 0
 
-    def before_step(self, optimizer: Any, step: int, plugin: Any, device: torch.device, *, check: bool) -> bool:
+    def before_step(
+        self,
+        optimizer: Any,
+        step: int,
+        plugin: Any,
+        device: torch.device,
+        *,
+        check: bool,
+        scaled_by: Tensor | float | None = None,
+    ) -> bool:
         """Keep what ``optimizer`` is about to step with; returns whether the step overflowed, read from the device only
         when ``check`` (the door still locates overflows): its loss is not finite, or, at a step whose gradient norm is
         measured, its gradients are not. Such a step is located before the optimizer applies it, as no scaler may skip
-        it (a step the scaler skips is located after it, :meth:`after_step`)."""
+        it (a step the scaler skips is located after it, :meth:`after_step`). ``scaled_by``: the loss scale the
+        gradients still carry (an optimizer that unscales inside its own step), which the norm is divided by."""
         losses, self._pending_loss = self._pending_loss, {}
         norm = gradient_norm(optimizer, device) if self.measures_norm(step) else None
+        if norm is not None and scaled_by is not None:
+            norm = norm / scaled_by
         self._grad_norm.append(norm)
         if len(losses) == 1:
             (total,) = losses.values()
