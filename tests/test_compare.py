@@ -1476,21 +1476,27 @@ class RestoresAfterSetup(SingleDeviceStrategy):
         return True
 
 
-def doors_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Put the Trainer and the Fabric back after the test: an in-process ``patch()`` changes the classes of the process
-    (``patch("lightning")`` patches ``lightning.fabric.Fabric`` too), and a later test in this worker that builds a
-    Fabric or a Trainer would get the plan's precision."""
+def patched_in_process(monkeypatch: pytest.MonkeyPatch, plan: Plan) -> None:
+    """This process patched as a run of ``plan`` is (its plan written into its folder), and the Trainer and the Fabric
+    put back after the test: an in-process ``patch()`` changes the classes of the process (``patch("lightning")``
+    patches ``lightning.fabric.Fabric`` too), and a later test in this worker that builds a Fabric or a Trainer would
+    get the plan's precision."""
     for name in ("__init__", "fit"):
         monkeypatch.setattr(pl.Trainer, name, getattr(pl.Trainer, name))
     monkeypatch.setattr(lightning.fabric.Fabric, "__init__", lightning.fabric.Fabric.__init__)
+    path = Path(plan.directory) / "plan.json"
+    plan.write(path)
+    compare_patching.patch("lightning", str(path))
+
+
+#: A Trainer that prints and logs nothing, on the CPU.
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
 
 
 def test_a_strategy_that_restores_checkpoints_after_its_setup_is_refused_when_the_trainer_is_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    doors_put_back(monkeypatch)
-    Plan("c", "32-true", 5, str(tmp_path)).write(tmp_path / "plan.json")
-    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
+    patched_in_process(monkeypatch, Plan("c", "32-true", 5, str(tmp_path)))
     pl.Trainer(strategy=SingleDeviceStrategy("cpu"), logger=False)
     with pytest.raises(StrategyConfigurationError) as raised:
         pl.Trainer(strategy=RestoresAfterSetup("cpu"), logger=False)
@@ -1548,18 +1554,15 @@ def test_a_later_trainers_test_joins_the_first_fits_record_and_a_second_fit_reco
         from compare_train import build
     finally:
         sys.path.remove(str(WORKERS))
-    doors_put_back(monkeypatch)
-    Plan("c", "32-true", 6, str(tmp_path)).write(tmp_path / "plan.json")
-    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
-    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
+    patched_in_process(monkeypatch, Plan("c", "32-true", 6, str(tmp_path)))
     model, loader = build(0.1)
     test_loader = torch.utils.data.DataLoader(list(loader.dataset)[:16], batch_size=8)
-    pl.Trainer(max_epochs=50, default_root_dir=tmp_path, **quiet).fit(model, loader)
+    pl.Trainer(max_epochs=50, default_root_dir=tmp_path, **QUIET).fit(model, loader)
     record = tmp_path / RECORD_FILE
     fitted = json.loads(record.read_text())
     final = (tmp_path / FINAL_WEIGHTS).read_bytes()
-    tested = pl.Trainer(devices=1, default_root_dir=tmp_path, **quiet).test(model, test_loader)  # Lightning's advice
-    pl.Trainer(max_epochs=60, default_root_dir=tmp_path, **quiet).fit(model, loader)  # a fine-tuning fit
+    tested = pl.Trainer(devices=1, default_root_dir=tmp_path, **QUIET).test(model, test_loader)  # Lightning's advice
+    pl.Trainer(max_epochs=60, default_root_dir=tmp_path, **QUIET).fit(model, loader)  # a fine-tuning fit
     again = json.loads(record.read_text())
     assert again["evaluations"] == [{"stage": "test", "step": 6, "metrics": tested[0]}]
     assert again["ranks"] == fitted["ranks"] and len(again["ranks"][0]["step"]) == 6
@@ -1587,16 +1590,13 @@ class TwoOptimizers(pl.LightningModule):
 def test_snapshots_are_taken_at_the_first_batch_past_them_when_the_step_goes_up_by_two(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    doors_put_back(monkeypatch)
     plan = Plan(  # the baseline: it keeps its weights at each snapshot
         "c", "32-true", 6, str(tmp_path), save_start=True, snapshots=(3, 5), baseline_directory=str(tmp_path)
     )
-    plan.write(tmp_path / "plan.json")
-    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
+    patched_in_process(monkeypatch, plan)
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
-    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
-    pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet).fit(TwoOptimizers(), loader)
+    pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET).fit(TwoOptimizers(), loader)
     saved = sorted(path.name for path in tmp_path.glob("weights-step*.pt"))
     assert saved == [snapshot_file(4), snapshot_file(6)]
     rank = json.loads((tmp_path / RECORD_FILE).read_text())["ranks"][0]
@@ -1718,13 +1718,10 @@ class SkipsItsThirdBatch(pl.LightningModule):
 def test_a_step_the_scaler_skips_on_a_finite_loss_is_located_after_it_from_the_weights_it_left_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    doors_put_back(monkeypatch)
-    Plan("c", "native-O1", 4, str(tmp_path)).write(tmp_path / "plan.json")
-    compare_patching.patch("lightning", str(tmp_path / "plan.json"))
-    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
+    patched_in_process(monkeypatch, Plan("c", "native-O1", 4, str(tmp_path)))
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(torch.randn(64, 4) / 100, batch_size=8)  # no float16 overflow of its own
-    pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet).fit(SkipsItsThirdBatch(), loader)
+    pl.Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET).fit(SkipsItsThirdBatch(), loader)
     (rank,) = json.loads((tmp_path / RECORD_FILE).read_text())["ranks"]
     assert rank["skipped"] == [False, False, True, False] and all(math.isfinite(loss) for loss in rank["loss"])
     (found,) = rank["overflows"]

@@ -205,8 +205,8 @@ def _run_calls_again(calls: list[Call], step: int, scale: float | None, context:
         return located(
             step, scale, phase=NOT_REPRODUCED, note="no output of a set-up model received a gradient in the step"
         )
-    modules = list({id(call.module): call.module for call in calls}.values())
     labelled = list({id(call.module): (call.label, call.module) for call in calls}.values())
+    modules = [module for _, module in labelled]
     broken = weights_not_finite(labelled, step, scale)
     if broken is not None:
         return broken

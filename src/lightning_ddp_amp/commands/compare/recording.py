@@ -125,7 +125,7 @@ class Recording:
         return self._active and not self._finished
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self._active or self._finished:  # _training(), inline: this runs at every batch
+        if not self._training():
             return
         if self.recorder.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
             self.recorder.batch_hash = hash_batch(batch)
@@ -139,7 +139,7 @@ class Recording:
             self._batch = (batch, batch_idx, (torch.get_rng_state(), cuda_rng))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if not self._active or self._finished:
+        if not self._training():
             return
         recorder, plugin = self.recorder, self._plugin
         overflowed = recorder.before_step(
@@ -168,7 +168,7 @@ class Recording:
         )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self._stepped or not self._active or self._finished:
+        if not self._training() or not self._stepped:
             return  # an accumulation window goes on
         closed = now(self._device or pl_module.device)
         plugin, recorder = self._plugin, self.recorder
