@@ -1185,13 +1185,13 @@ def recorded_losses(root: Path, name: str, *ranks: list[dict[int, float]]) -> Ca
         recorder.weights_hash = recorder.batch_hash = "0" * 64
         weight = torch.nn.Parameter(torch.zeros(1))
         weight.grad = torch.ones(1)
-        optimizer, plugin = torch.optim.SGD([weight], lr=0.1), object()  # a plugin without a loss scale
+        optimizer = torch.optim.SGD([weight], lr=0.1)
+        recorder.use(object(), torch.device("cpu"))  # a plugin without a loss scale
         for index, losses in enumerate(steps):
             for loss_id, loss in losses.items():
-                recorder.backward(torch.tensor(loss), plugin, loss_id)
-            recorder.before_step(optimizer, index, plugin, torch.device("cpu"), check=False)
-            recorder.after_step(index, optimizer, plugin, None)
-            recorder.timed(0.0, 0.001)
+                recorder.backward(torch.tensor(loss), loss_id)
+            recorder.before_step(optimizer, index, check=False)
+            recorder.after_step(index, optimizer, None, recorder.clock())
         recorders.append(recorder)
         records.append(recorder.rank_record(rank, torch.device("cpu")))
     recorders[0].write_record(recorders[0].header("Precision 32-true", len(ranks)), records)

@@ -18,7 +18,7 @@ import torch
 from conftest import needs_cpu_fp16
 
 from lightning_ddp_amp.commands.compare import overflow
-from lightning_ddp_amp.commands.compare.model_calls import ModelCalls
+from lightning_ddp_amp.commands.compare.model_calls import CHECKED_CALLS, ModelCalls
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -295,6 +295,51 @@ def test_each_call_runs_again_from_its_own_random_state() -> None:
     torch.manual_seed(1)  # the state now is not the one model_b's call drew from
     found = locate_calls(calls.take())
     assert (found["phase"], found["module"]) == ("forward", "module1")
+
+
+def test_a_model_that_draws_no_random_numbers_has_no_random_state_kept_after_its_first_calls() -> None:
+    # Each call of a model with dropout keeps the random state before it; a model that drew nothing in its first
+    # CHECKED_CALLS calls keeps none after them, and its pre-hook goes (one hook a call is what is left of the cost).
+    plain, noisy = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    calls = ModelCalls()
+    watched = [calls.watch(plain), calls.watch(noisy)]
+    for _ in range(CHECKED_CALLS + 1):
+        calls.start_step()
+        (plain(torch.ones(2, 4)).sum() + noisy(torch.ones(2, 4)).sum()).backward()
+    taken = calls.take()
+    assert [(call.label, call.rng is None) for call in taken] == [("module0", True), ("module1", False)]
+    assert (watched[0].draws, watched[1].draws) == (False, True)
+    assert not plain._forward_pre_hooks and noisy._forward_pre_hooks
+
+
+def test_a_model_that_starts_drawing_after_its_checked_calls_is_said_and_keeps_its_random_state_from_then() -> None:
+    class LateMask(torch.nn.Module):  # draws from its call CHECKED_CALLS + 1 on (the re-run's too)
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls <= CHECKED_CALLS:
+                return x * 2
+            keep = torch.rand(x.shape) < 0.5
+            return torch.where(keep & (torch.arange(x.numel()).reshape(x.shape) == 0), x * 1e38 * 1e38, x)
+
+    model = LateMask()
+    calls = ModelCalls()
+    watched = calls.watch(model)
+    for _ in range(CHECKED_CALLS + 1):
+        calls.start_step()
+        model(torch.ones(1, 4, requires_grad=True)).sum().backward()
+    taken = calls.take()
+    assert [call.rng for call in taken] == [None]  # trusted not to draw by then
+    found = locate_calls(taken)
+    assert found["note"].endswith(
+        "module0 drew random numbers when run again, none in its first 3 calls: the random state before this step's"
+        " call was not kept, so the re-run drew others and the place may differ (it is kept from now on)"
+    )
+    assert watched.draws is True and model._forward_pre_hooks  # the next call keeps it
+    calls.take()  # the calls the re-run made, which the door drops too
+    model(torch.ones(1, 4, requires_grad=True)).sum().backward()
+    assert calls.take()[0].rng is not None
 
 
 def test_running_the_calls_again_changes_no_weight_gradient_buffer_or_random_state() -> None:

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from lightning_ddp_amp.commands.compare import overflow
-from lightning_ddp_amp.commands.compare.model_calls import ModelCalls, Watching
-from lightning_ddp_amp.commands.compare.recorder import Changes, Recorder, loss_scale, now, ran_as, trained_weights
+from lightning_ddp_amp.commands.compare.model_calls import ModelCalls, Watched
+from lightning_ddp_amp.commands.compare.recorder import Changes, Recorder, ran_as, trained_weights
 from lightning_ddp_amp.commands.compare.recording import shadow
 from lightning_ddp_amp.commands.compare.run_folder import FINAL_WEIGHTS, Plan, partial_file, rank_file
 from lightning_ddp_amp.commands.compare.schema import LOGGED
@@ -64,9 +64,9 @@ class FabricRecording:
         self._written = False  # this rank's record is written: nothing more is recorded
         self._backward_seen = False  # a loss went through fabric.backward: a later step without one is a NaN loss
         self._calls = ModelCalls()  # each set-up model's calls of the coming step, to locate an overflow
-        self._watching: list[Watching] = []
+        self._watching: list[Watched] = []
         self._plugin = plugin = fabric.strategy.precision
-        self._device: torch.device | None = None  # the Fabric's device, read once the loop steps (setup has placed it)
+        self._last_step = plan.first_step + plan.steps  # --steps ends the run once this many steps are done
         convert_module, convert_input = plugin.convert_module, plugin.convert_input
         backward, log_dict = fabric.backward, fabric.log_dict
         setup, setup_optimizers = fabric.setup, fabric.setup_optimizers
@@ -78,16 +78,22 @@ class FabricRecording:
 
         def timed_convert_input(data: Any) -> Any:
             if torch.is_grad_enabled() and not self._written:  # an evaluation's forward is no step's
+                recorder = self.recorder
                 if self._opened is None:
-                    self._opened = now(self._device or fabric.device)
-                if self.recorder.batch_hash is None:
-                    self.recorder.batch_hash = hash_batch(data)
+                    if recorder.device is None:
+                        recorder.use(plugin, fabric.device)  # set up by now
+                    self._opened = recorder.clock()
+                if recorder.batch_hash is None:
+                    recorder.batch_hash = hash_batch(data)
             return convert_input(data)
 
         def recorded_backward(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
             if not self._written:
                 self._backward_seen = True
-                self.recorder.backward(tensor, plugin, kwargs.get("loss_id", 0))
+                recorder = self.recorder
+                if recorder.device is None:  # no forward of a set-up model came first
+                    recorder.use(plugin, fabric.device)
+                recorder.backward(tensor, kwargs.get("loss_id", 0))
             return backward(tensor, *args, **kwargs)
 
         def recorded_log_dict(metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -146,7 +152,7 @@ class FabricRecording:
                     raise SystemExit(0)
                 return step(*args, **kwargs)
             if not self._backward_seen:
-                raise _no_backward(len(self.recorder.step), optimizer)
+                raise _no_backward(len(self.recorder.steps), optimizer)
             index = self._before_step(optimizer)
             result = step(*args, **kwargs)
             self._after_step(index, optimizer)
@@ -159,20 +165,18 @@ class FabricRecording:
     _ended = False  # --steps ended the run on this rank
 
     def _before_step(self, optimizer: Any) -> int:
-        recorder, plugin = self.recorder, self._plugin
-        if self._device is None:
-            self._device = self._fabric.device
-        step = len(recorder.step)
+        recorder = self.recorder
+        step = len(recorder.steps)
         scaled_by = None
         if recorder.measures_norm(step):
             # The norm after unscaling, as on the Trainer: a scaler unscales inside the step, so first unscale here as
             # fabric.clip_gradients does (the step then does not unscale again). Lightning's MixedPrecision refuses for
             # an optimizer that unscales inside its own (fused) step: there the norm is divided by the scale instead.
             try:
-                plugin.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
+                self._plugin.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
             except NotImplementedError:
-                scaled_by = loss_scale(plugin)
-        if recorder.before_step(optimizer, step, plugin, self._device, check=bool(self._watching), scaled_by=scaled_by):
+                scaled_by = recorder.scale()
+        if recorder.before_step(optimizer, step, check=bool(self._watching), scaled_by=scaled_by):
             self._locate(step)
         return step
 
@@ -180,36 +184,34 @@ class FabricRecording:
         """Where the overflow of ``step`` happened: its model calls run again (:func:`overflow.locate_calls`), before
         the step where its loss is not finite, after it where the scaler skipped it. Once the most a run locates are
         located, the models are no longer watched: nothing is left of the cost."""
-        plugin, scale = self._plugin, self.recorder.loss_scale[step]
+        scale = self.recorder.steps[step].scale
         self.recorder.overflows.append(
             overflow.locate_calls(
                 self._calls.take(),
                 step=step,
                 scale=None if scale is None else float(scale),
-                context=plugin.forward_context,
+                context=self._plugin.forward_context,
             )
         )
+        self._calls.take()  # the calls the re-run made
         if len(self.recorder.overflows) >= overflow.MAX_LOCATED:
             for watching in self._watching:
                 watching.remove()
             self._watching = []
 
     def _after_step(self, index: int, optimizer: Any) -> None:
-        recorder, plugin = self.recorder, self._plugin
-        closed = now(self._device or self._fabric.device)
-        recorder.timed(self._opened, closed if self._opened is not None else None)
-        self._opened = None
-        located = bool(recorder.overflows) and recorder.overflows[-1]["step"] == index
-        if recorder.after_step(
-            index, optimizer, plugin, loss_scale(plugin), check=bool(self._watching) and not located
-        ):
+        recorder = self.recorder
+        opened, self._opened = self._opened, None
+        overflows = recorder.overflows
+        check = bool(self._watching) and not (overflows and overflows[-1]["step"] == index)  # not located before it
+        if recorder.after_step(index, optimizer, recorder.scale(), opened, check=check):
             self._locate(index)
         if self._watching:
             self._calls.start_step()
-        done = len(recorder.step)
+        done = index + 1
         if recorder.snapshots_due(done):
             recorder.snapshot(self._weights, done, int(self._fabric.global_rank))
-        if done >= self.plan.first_step + self.plan.steps:
+        if done >= self._last_step:
             self._end()
 
     def _weights(self) -> dict[str, Tensor]:
@@ -224,7 +226,7 @@ class FabricRecording:
         values = {name: value for name, value in scalars.items() if value is not None}
         if not values:
             return
-        evaluations, step = self.recorder.evaluations, len(self.recorder.step)
+        evaluations, step = self.recorder.evaluations, len(self.recorder.steps)
         if evaluations and evaluations[-1]["stage"] == LOGGED and evaluations[-1]["step"] == step:
             evaluations[-1]["metrics"].update(values)
         else:
@@ -245,14 +247,13 @@ class FabricRecording:
     def _script_ended(self) -> None:
         """The script ended before ``--steps``; no collective is safe here (the process group may be gone). A loop
         that never stepped leaves no record: the report says the script built a Fabric but stepped no optimizer."""
-        if not self._written and self.recorder.step:
+        if not self._written and self.recorder.steps:
             self._write()
 
     def _write(self) -> None:
         """This rank's record (``record-rank{r}.json``); rank 0 also the final weights."""
         self._written = True
         recorder, rank = self.recorder, int(self._fabric.global_rank)
-        recorder.pad_series()
         document = {**self._header(), "ranks": [recorder.rank_record(rank, self._fabric.device)]}
         document |= {"evaluations": recorder.evaluations, "weight_distances": recorder.distances}
         folder = Path(self.plan.directory)
@@ -269,7 +270,6 @@ class FabricRecording:
         self._written = True
         rank = int(self._fabric.global_rank)
         try:
-            self.recorder.pad_series()
             record = self.recorder.rank_record(rank, self._fabric.device)
         except Exception:  # a device that failed cannot be read back; the error to report is the script's
             return

@@ -4,39 +4,111 @@ A Fabric script computes its loss between its models, in its own loop: nothing c
 run again is each call of a set-up model's forward, so :class:`ModelCalls` keeps, for each call while a step runs:
 
 * the module and its arguments (references: the tensors the step holds anyway until its backward);
-* the random state just before the call (CPU, and the module's CUDA device), so dropout draws the same mask;
 * each floating output, told to ``retain_grad()``: after the real backward its ``.grad`` is the gradient that reached
-  it (scaled, as the backward ran), summed where several backward passes reached it.
+  it (scaled, as the backward ran), summed where several backward passes reached it;
+* the random state just before the call (CPU, and the module's CUDA device), so dropout draws the same mask, for a
+  model whose forward draws random numbers. A model's first :data:`CHECKED_CALLS` calls tell: the state is taken before
+  each and compared after it. A model that drew nothing in them (no dropout) needs none and has its pre-hook removed;
+  if it draws at a later call all the same, the locator sees its re-run draw, says so, and the state is kept from then.
 
-Per call that is a forward pre-hook, a forward hook, ``retain_grad()`` per output (torch's own hook: no Python runs in
-the backward), and one copy of the CPU random state (5 KB); nothing is read from the device. A call under
-``torch.no_grad`` (evaluation inside the loop) is not kept. :func:`~lightning_ddp_amp.commands.compare.overflow.locate_calls` runs the calls again.
+Per call that is a forward hook and ``retain_grad()`` per output (torch's own hook: no Python runs in the backward),
+and for a model that draws, a forward pre-hook and one copy of the CPU random state (5 KB); nothing is read from the
+device. A call under ``torch.no_grad`` (evaluation inside the loop) is not kept.
+:func:`~lightning_ddp_amp.commands.compare.overflow.locate_calls` runs the calls again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+#: How many calls of a watched model are checked for random draws before a model that drew none in them is trusted
+#: not to (its random state is then no longer taken before each call).
+CHECKED_CALLS = 3
 
-@dataclass
+#: The CPU and (on CUDA) the device random state.
+RandomState = tuple[Tensor, Tensor | None]
+
+
+class Watched:
+    """A model :meth:`ModelCalls.watch` keeps the calls of: its name, its device and whether its forward draws random
+    numbers; ``remove()`` takes its hooks away (no cost left)."""
+
+    __slots__ = ("_after", "_before", "_calls", "checked", "device", "draws", "label", "module")
+
+    def __init__(self, calls: ModelCalls, module: torch.nn.Module, label: str) -> None:
+        self.module = module
+        self.label = label  #: how the report names the model: ``module{i}`` in the order it was watched
+        self.device: torch.device | None = None  #: its device at its first call (after setup moved it)
+        self.draws: bool | None = None  #: whether its forward draws random numbers; None while its calls are checked
+        self.checked = 0  #: its calls checked so far
+        self._calls = calls
+        self._before: RemovableHandle | None = module.register_forward_pre_hook(calls._before, with_kwargs=True)
+        # with_kwargs: the call's keyword arguments, for a model whose pre-hook is gone; always_call: also on a raise
+        self._after: RemovableHandle | None = module.register_forward_hook(
+            calls._after, with_kwargs=True, always_call=True
+        )
+
+    def keep_random_state(self) -> None:
+        """From the next call on, take the random state before each: the model draws random numbers."""
+        self.draws = True
+        if self._before is None and self._after is not None:
+            self._before = self.module.register_forward_pre_hook(self._calls._before, with_kwargs=True)
+
+    def checked_call(self, before: RandomState) -> None:
+        """One of the first calls ran, from the random state ``before``: whether it drew is its answer."""
+        self.checked += 1
+        if drew(before, self.device):
+            self.keep_random_state()
+        elif self.checked >= CHECKED_CALLS:
+            self.draws = False
+            if self._before is not None:
+                self._before.remove()
+                self._before = None
+
+    def remove(self) -> None:
+        for handle in (self._before, self._after):
+            if handle is not None:
+                handle.remove()
+        self._before = self._after = None
+
+
 class Call:
     """One forward call of a watched model, and the gradients its outputs received."""
 
-    module: torch.nn.Module
-    label: str  #: how the report names the model: ``module{i}`` in the order it was watched
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    rng: tuple[Tensor, Tensor | None]  #: the CPU and (on CUDA) the module's device random state before the call
-    device: torch.device
-    #: per floating output, in :func:`floating` order: the output, retaining its gradient (None: it needs none)
-    outputs: list[Tensor | None] = field(default_factory=list)
-    stepped: bool = False  #: an optimizer step has run since the call
+    __slots__ = ("args", "kwargs", "outputs", "rng", "stepped", "watched")
+
+    def __init__(
+        self,
+        watched: Watched,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rng: RandomState | None,
+        outputs: list[Tensor | None],
+    ) -> None:
+        self.watched = watched
+        self.args = args
+        self.kwargs = kwargs
+        self.rng = rng  #: the random state before the call; None for a model that draws none (or a call inside itself)
+        #: per floating output, in :func:`floating` order: the output, retaining its gradient (None: it needs none)
+        self.outputs = outputs
+        self.stepped = False  #: an optimizer step has run since the call
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.watched.module
+
+    @property
+    def label(self) -> str:
+        return self.watched.label
+
+    @property
+    def device(self) -> torch.device:
+        return self.watched.device or torch.device("cpu")
 
     @property
     def gradients(self) -> list[Tensor | None]:
@@ -57,22 +129,20 @@ class ModelCalls:
 
     def __init__(self) -> None:
         self._calls: list[Call] = []
-        self._open: dict[int, Call] = {}  # id(module) -> its call whose forward has not returned
-        self._labels: dict[int, str] = {}
-        self._devices: dict[int, torch.device] = {}  # id(module) -> its device at its first call (after setup moved it)
+        self._watched: dict[int, Watched] = {}  # id(module) -> its watch
+        self._open: dict[int, RandomState] = {}  # id(module) -> the random state before its forward, until it returns
 
-    def watch(self, module: torch.nn.Module, label: str | None = None) -> Watching:
-        """Keep every call of ``module`` from now on; the handle's ``remove()`` stops it (no cost left).
+    def watch(self, module: torch.nn.Module, label: str | None = None) -> Watched:
+        """Keep every call of ``module`` from now on; the watch's ``remove()`` stops it.
 
         Args:
             module: The model as the script built it (``fabric_module.module`` after ``fabric.setup``).
             label: Its name in the report; ``module{i}``, ``i`` counting the modules watched, by default.
         """
-        self._labels.setdefault(id(module), label or f"module{len(self._labels)}")
-        return Watching(
-            module.register_forward_pre_hook(self._before, with_kwargs=True),
-            module.register_forward_hook(self._after, always_call=True),  # also when the forward raised
-        )
+        known = self._watched.get(id(module))
+        watched = Watched(self, module, label or (known.label if known else f"module{len(self._watched)}"))
+        self._watched[id(module)] = watched
+        return watched
 
     def start_step(self) -> None:
         """A step begins (call it after each optimizer step): forget the calls the last step used.
@@ -91,27 +161,47 @@ class ModelCalls:
         return calls
 
     def _before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled() or self._open:  # evaluation, or a watched model called inside another
+        if not torch.is_grad_enabled():  # evaluation
             return
-        key = id(module)
-        device = self._devices.get(key)
-        if device is None:
-            device = self._devices[key] = _device(module)
-        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self._open[key] = Call(module, self._labels[key], args, kwargs, (torch.get_rng_state(), cuda), device)
+        watched = self._watched[id(module)]
+        if watched.device is None:
+            watched.device = _device(module)
+        self._open[id(module)] = random_state(watched.device)
 
-    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        call = self._open.pop(id(module), None)
-        if call is None:
+    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if not torch.is_grad_enabled():
             return
-        call.outputs = [tensor if tensor.requires_grad else None for tensor in floating(output)]
+        watched = self._watched[id(module)]
+        rng = None
+        if watched.draws is not False:
+            rng = self._open.pop(id(module), None)
+            if watched.draws is None and rng is not None:
+                watched.checked_call(rng)
+        if isinstance(output, Tensor):  # the usual output, without walking it
+            if output.requires_grad and output.is_floating_point():
+                output.retain_grad()
+                self._calls.append(Call(watched, args, kwargs, rng, [output]))
+            return
+        outputs = [tensor if tensor.requires_grad else None for tensor in floating(output)]
         kept = False
-        for tensor in call.outputs:
+        for tensor in outputs:
             if tensor is not None:
                 tensor.retain_grad()
                 kept = True
         if kept:
-            self._calls.append(call)
+            self._calls.append(Call(watched, args, kwargs, rng, outputs))
+
+
+def random_state(device: torch.device) -> RandomState:
+    """The CPU random state, and ``device``'s where it is a GPU."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def drew(before: RandomState, device: torch.device | None) -> bool:
+    """Whether anything drew random numbers since ``before`` was taken (on the CPU or ``device``)."""
+    if not torch.equal(torch.get_rng_state(), before[0]):
+        return True
+    return device is not None and before[1] is not None and not torch.equal(torch.cuda.get_rng_state(device), before[1])
 
 
 def _device(module: torch.nn.Module) -> torch.device:
@@ -120,17 +210,6 @@ def _device(module: torch.nn.Module) -> torch.device:
     for buffer in module.buffers():
         return buffer.device
     return torch.device("cpu")
-
-
-class Watching:
-    """The hooks :meth:`ModelCalls.watch` put on a module; ``remove()`` takes them away."""
-
-    def __init__(self, *handles: RemovableHandle) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def floating(value: Any) -> Iterator[Tensor]:

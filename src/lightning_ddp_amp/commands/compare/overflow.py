@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ddp_amp.commands.compare.model_calls import Call, floating
+from lightning_ddp_amp.commands.compare.model_calls import CHECKED_CALLS, Call, drew, floating, random_state
 from lightning_ddp_amp.commands.compare.schema import BACKWARD, FORWARD, LOSS, NOT_RE_RUN, NOT_REPRODUCED, Phase
 
 #: The most steps a run locates; each costs one more forward and backward of that step's batch.
@@ -200,6 +200,22 @@ def locate_calls(
 
 
 def _run_calls_again(calls: list[Call], step: int, scale: float | None, context: Any) -> dict[str, Any]:
+    unkept: list[Call] = []  # calls of a model trusted not to draw random numbers that drew when run again
+    found = _calls_again(calls, step, scale, context, unkept)
+    if unkept:
+        labels = sorted({call.label for call in unkept})
+        for call in unkept:
+            call.watched.keep_random_state()  # from the next call on
+        said = (
+            f"{' and '.join(labels)} drew random numbers when run again, none in {'their' if len(labels) > 1 else 'its'}"
+            f" first {CHECKED_CALLS} calls: the random state before this step's call was not kept, so the re-run drew"
+            " others and the place may differ (it is kept from now on)"
+        )
+        found["note"] = said if found["note"] is None else f"{found['note']}; {said}"
+    return found
+
+
+def _calls_again(calls: list[Call], step: int, scale: float | None, context: Any, unkept: list[Call]) -> dict[str, Any]:
     backward = [call for call in calls if call.received()]
     if not backward:
         return located(
@@ -213,11 +229,11 @@ def _run_calls_again(calls: list[Call], step: int, scale: float | None, context:
     with _restored(modules, [call.device for call in calls]):
         for call in calls:
             with torch.no_grad(), _Watch(call.module, call.label) as watch:
-                _call_again(call, context)
+                _call_again(call, context, unkept)
             if watch.forward is not None:
                 return located(step, scale, phase=FORWARD, **watch.forward)
         for call in reversed(backward):
-            found = _received_not_finite(call) or _backward_again(call, context)
+            found = _received_not_finite(call) or _backward_again(call, context, unkept)
             if found is not None:
                 return located(step, scale, **found)
     return located(
@@ -230,13 +246,21 @@ def _run_calls_again(calls: list[Call], step: int, scale: float | None, context:
     )
 
 
-def _call_again(call: Call, context: Any) -> tuple[Any, list[Tensor]]:
-    """The call's output, run from its random state on its arguments, and those of them it can pass a gradient to."""
+def _call_again(call: Call, context: Any, unkept: list[Call]) -> tuple[Any, list[Tensor]]:
+    """The call's output, run from its random state on its arguments, and those of them it can pass a gradient to.
+    A call whose random state was not kept runs from the current one; if it draws, it joins ``unkept``."""
     inputs: list[Tensor] = []
     args, kwargs = _detached((call.args, call.kwargs), inputs)
-    _set_rng(call.rng, call.device)
+    before = None
+    if call.rng is None:
+        before = random_state(call.device)
+    else:
+        _set_rng(call.rng, call.device)
     with context():
-        return call.module(*args, **kwargs), inputs
+        output = call.module(*args, **kwargs)
+    if before is not None and call not in unkept and drew(before, call.device):
+        unkept.append(call)
+    return output, inputs
 
 
 def _received_not_finite(call: Call) -> dict[str, Any] | None:
@@ -252,9 +276,9 @@ def _received_not_finite(call: Call) -> dict[str, Any] | None:
     return None
 
 
-def _backward_again(call: Call, context: Any) -> dict[str, Any] | None:
+def _backward_again(call: Call, context: Any, unkept: list[Call]) -> dict[str, Any] | None:
     with _Watch(call.module, call.label) as watch:
-        output, inputs = _call_again(call, context)
+        output, inputs = _call_again(call, context, unkept)
         pairs = [
             (tensor, grad)
             for tensor, grad in zip(floating(output), call.gradients, strict=False)

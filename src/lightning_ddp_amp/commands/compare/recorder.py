@@ -19,6 +19,7 @@ distance to them (:meth:`Recorder.snapshot`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -61,6 +62,31 @@ def ran_as(plugin: Any) -> str:
     return f"{type(plugin).__name__} {getattr(plugin, 'precision', '')}".strip()
 
 
+class StepRecord:
+    """What one optimizer step recorded: before it (:meth:`Recorder.before_step`) and after it (``after_step``)."""
+
+    __slots__ = ("closed", "loss", "losses", "lr", "norm", "opened", "scale", "skipped", "step")
+
+    def __init__(
+        self,
+        step: int,
+        loss: Tensor,
+        losses: dict[int, Tensor],
+        scale: Tensor | float | None,
+        lr: float,
+        norm: Tensor | None,
+    ) -> None:
+        self.step = step  #: the global step
+        self.loss = loss  #: the sum of the losses given to backward since the previous step, on the device
+        self.losses = losses  #: those losses per ``loss_id``
+        self.scale = scale  #: the loss scale the step's backward ran under (None without loss scaling)
+        self.lr = lr  #: the first parameter group's learning rate
+        self.norm = norm  #: the gradient norm; None at a step it was not measured at
+        self.skipped: Tensor | bool = False  #: the loss scaler skipped it (a tensor until read back)
+        self.opened: Any = None  #: when its time started and ended (clock values); None: not timed
+        self.closed: Any = None
+
+
 class Recorder:
     """The series of one rank of a compare run, and what is computed from them.
 
@@ -77,14 +103,8 @@ class Recorder:
         self._module_hashes: list[str] = []
         self._pending_loss: dict[int, Tensor] = {}  # per loss_id, since the previous step
         self._pending_scale: Tensor | float | None = None
-        self._loss: list[Tensor] = []
-        self._loss_by_id: list[dict[int, Tensor]] = []
-        self._grad_norm: list[Tensor | None] = []  # None: a step whose norm was not measured
-        self.loss_scale: list[Tensor | float | None] = []
-        self._skipped: list[Tensor | bool] = []
-        self._lr: list[float] = []
-        self.step: list[int] = []
-        self._times: list[tuple[Any, Any]] = []
+        self.steps: list[StepRecord] = []  # one per optimizer step, in order
+        self._norm_every = plan.grad_norm_every
         self.overflows: list[dict[str, Any]] = []
         self.distances: list[tuple[int, float | None]] = []  # (global step, weight distance to the baseline's)
         self._snapshot_steps: list[int] = []  # the global steps the weights were measured at
@@ -93,6 +113,20 @@ class Recorder:
         self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
         self.evaluations: list[Evaluation] = []
         self._document: dict[str, Any] | None = None
+        # What each step reads, looked up once (:meth:`use`): the precision plugin and device of the run.
+        self.plugin: Any = None
+        self.device: torch.device | None = None
+        self.clock: Callable[[], Any] = time.perf_counter
+        self.scale: Callable[[], Tensor | float | None] = lambda: None
+        self._step_skipped: Callable[[Any], Any] | None = None
+
+    def use(self, plugin: Any, device: torch.device) -> None:
+        """The run's precision plugin and device, as the door knows them before the first backward: what each step reads
+        of them (the clock, the loss scale, the plugin's skip flag) is looked up here, once."""
+        self.plugin, self.device = plugin, device
+        self.clock = clock(device)
+        self.scale = scale_reader(plugin)
+        self._step_skipped = getattr(plugin, "step_skipped", None)
 
     # -- the start ---------------------------------------------------------------------------------------------------
 
@@ -113,14 +147,17 @@ class Recorder:
 
     # -- a step ------------------------------------------------------------------------------------------------------
 
-    def backward(self, loss: Tensor, plugin: Any, loss_id: int = 0) -> None:
+    def backward(self, loss: Tensor, loss_id: int = 0) -> None:
         """A loss handed to backward; the step's first backward also keeps the scale it runs under (apex updates it
         as its backward ends, torch's scaler at ``step()``)."""
-        loss = loss.detach().float()
-        if not self._pending_loss:
-            self._pending_scale = loss_scale(plugin)
-        pending = self._pending_loss.get(loss_id)
-        self._pending_loss[loss_id] = loss if pending is None else pending + loss
+        loss = loss.detach()
+        if loss.dtype != torch.float32:
+            loss = loss.float()
+        pending = self._pending_loss
+        if not pending:
+            self._pending_scale = self.scale()
+        earlier = pending.get(loss_id)
+        pending[loss_id] = loss if earlier is None else earlier + loss
 
     def has_pending_loss(self) -> bool:
         """Whether a loss was handed to backward since the previous step."""
@@ -130,36 +167,27 @@ class Recorder:
         """Whether ``step``'s gradient norm is measured (``plan.grad_norm_every``)."""
         return step % self.plan.grad_norm_every == 0
 
-    def before_step(
-        self,
-        optimizer: Any,
-        step: int,
-        plugin: Any,
-        device: torch.device,
-        *,
-        check: bool,
-        scaled_by: Tensor | float | None = None,
-    ) -> bool:
+    def before_step(self, optimizer: Any, step: int, *, check: bool, scaled_by: Tensor | float | None = None) -> bool:
         """Keep what ``optimizer`` is about to step with; returns whether the step overflowed, read from the device only
         when ``check`` (the door still locates overflows): its loss is not finite, or, at a step whose gradient norm is
-        measured, its gradients are not. Such a step is located before the optimizer applies it, as no scaler may skip
-        it (a step the scaler skips is located after it, :meth:`after_step`). ``scaled_by``: the loss scale the
-        gradients still carry (an optimizer that unscales inside its own step), which the norm is divided by."""
+        measured (:meth:`measures_norm`), its gradients are not. Such a step is located before the optimizer applies it,
+        as no scaler may skip it (a step the scaler skips is located after it, :meth:`after_step`). ``scaled_by``: the
+        loss scale the gradients still carry (an optimizer that unscales inside its own step), which the norm is divided
+        by."""
         losses, self._pending_loss = self._pending_loss, {}
-        norm = gradient_norm(optimizer, device) if self.measures_norm(step) else None
-        if norm is not None and scaled_by is not None:
-            norm = norm / scaled_by
-        self._grad_norm.append(norm)
+        norm = None
+        if step % self._norm_every == 0:
+            norm = gradient_norm(optimizer, self.device)
+            if scaled_by is not None:
+                norm = norm / scaled_by
         if len(losses) == 1:
             (total,) = losses.values()
+            scale = self._pending_scale
         else:
-            total = sum(losses.values()) if losses else torch.full((), float("nan"), device=device)  # type: ignore[assignment]
-        self._loss.append(total)
-        self._loss_by_id.append(losses)
-        self.loss_scale.append(self._pending_scale if losses else loss_scale(plugin))
+            total = sum(losses.values()) if losses else torch.full((), float("nan"), device=self.device)  # type: ignore[assignment]
+            scale = self._pending_scale if losses else self.scale()
         self._pending_scale = None
-        self._lr.append(float(optimizer.param_groups[0]["lr"]))
-        self.step.append(step)
+        self.steps.append(StepRecord(step, total, losses, scale, float(optimizer.param_groups[0]["lr"]), norm))
         if not check:
             return False
         if losses and not math.isfinite(total.item()):  # the one value read before each step (one op: item)
@@ -167,29 +195,22 @@ class Recorder:
         return norm is not None and not bool(torch.isfinite(norm)) and not gradients_finite(optimizer)
 
     def after_step(
-        self, index: int, optimizer: Any, plugin: Any, scale_after: Tensor | float | None, *, check: bool = False
+        self, index: int, optimizer: Any, scale_after: Tensor | float | None, opened: Any, *, check: bool = False
     ) -> bool:
-        """Whether step ``index`` was skipped: AmpPrecision says so; torch's scaler backs off exactly when it skipped
-        a step (``scale_after``: the scale once the step ran). Returns it, read from the device only when ``check``
-        (the door locates a skipped step's overflow after it: a skipped step left the weights as they were)."""
-        scale = self.loss_scale[index]
+        """Step ``index`` ran, its time counted from ``opened`` (a :attr:`clock` value; None: not timed); whether it
+        was skipped: AmpPrecision says so; torch's scaler backs off exactly when it skipped a step (``scale_after``: the
+        scale once the step ran). Returns it, read from the device only when ``check`` (the door locates a skipped
+        step's overflow after it: a skipped step left the weights as they were)."""
+        record = self.steps[index]
+        if opened is not None:
+            record.opened, record.closed = opened, self.clock()
         skipped: Tensor | bool = False
-        if hasattr(plugin, "step_skipped"):
-            skipped = bool(plugin.step_skipped(optimizer))
-        elif isinstance(scale, Tensor) and isinstance(scale_after, Tensor):
-            skipped = scale_after < scale
-        self._skipped.append(skipped)
+        if self._step_skipped is not None:
+            skipped = bool(self._step_skipped(optimizer))
+        elif isinstance(record.scale, Tensor) and isinstance(scale_after, Tensor):
+            skipped = scale_after < record.scale
+        record.skipped = skipped
         return check and bool(skipped)
-
-    def timed(self, opened: Any, closed: Any) -> None:
-        """The time of the step last closed, from :func:`now` values."""
-        self._times.append((opened, closed))
-
-    def pad_series(self) -> None:
-        """A step outside a training batch (an optimizer stepped in another hook) has no batch time or skip flag."""
-        missing = len(self.step) - len(self._skipped)
-        self._skipped += [False] * missing
-        self._times += [(None, None)] * max(0, len(self.step) - len(self._times))
 
     # -- along the way -----------------------------------------------------------------------------------------------
 
@@ -259,23 +280,24 @@ class Recorder:
 
     def rank_record(self, rank: int, device: torch.device) -> dict[str, Any]:
         """This rank's series, read back from the device once."""
+        steps = self.steps
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            times = [math.nan if start is None else start.elapsed_time(end) / 1000 for start, end in self._times]
+            times = [math.nan if r.opened is None else r.opened.elapsed_time(r.closed) / 1000 for r in steps]
             peak = int(torch.cuda.max_memory_allocated(device))
         else:
-            times = [math.nan if start is None else end - start for start, end in self._times]
+            times = [math.nan if r.opened is None else r.closed - r.opened for r in steps]
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         record: dict[str, Any] = {
             "rank": rank,
             "weights_hash": self.weights_hash,
             "batch_hash": self.batch_hash,
-            "step": self.step,
-            "loss": floats(self._loss),
-            "grad_norm": sparse_floats(self._grad_norm),
-            "loss_scale": [None if s is None else float(s) for s in self.loss_scale],
-            "skipped": [bool(s) for s in self._skipped],
-            "lr": self._lr,
+            "step": [r.step for r in steps],
+            "loss": floats([r.loss for r in steps]),
+            "grad_norm": sparse_floats([r.norm for r in steps]),
+            "loss_scale": [None if r.scale is None else float(r.scale) for r in steps],
+            "skipped": [bool(r.skipped) for r in steps],
+            "lr": [r.lr for r in steps],
             "step_time_s": times,
             "peak_memory_bytes": peak,
             "peak_memory_kind": CUDA_MAX_MEMORY_ALLOCATED if device.type == "cuda" else PROCESS_MAX_RSS,
@@ -283,10 +305,10 @@ class Recorder:
             # The step after each snapshot: the other ranks wait in it for rank 0, which saved or read weights.
             "slowed_steps": list(self._snapshot_steps),
         }
-        ids = sorted({loss_id for losses in self._loss_by_id for loss_id in losses})
+        ids = sorted({loss_id for r in steps for loss_id in r.losses})
         if len(ids) > 1:  # several losses per step (num_losses): each kept beside their sum, read back in one go
-            given = iter(floats([loss for losses in self._loss_by_id for loss in losses.values()]))
-            read = [{loss_id: next(given) for loss_id in losses} for losses in self._loss_by_id]
+            given = iter(floats([loss for r in steps for loss in r.losses.values()]))
+            read = [{loss_id: next(given) for loss_id in r.losses} for r in steps]
             # None where the step had no loss of that id (a GAN's generator step has none of the discriminator's):
             # NaN stays what an overflowed loss reads as.
             record["loss_by_id"] = {str(loss_id): [losses.get(loss_id) for losses in read] for loss_id in ids}
@@ -303,7 +325,7 @@ def sparse_floats(values: list[Tensor | None]) -> list[float | None]:
     return [None if value is None else next(measured) for value in values]
 
 
-def gradient_norm(optimizer: Any, device: torch.device) -> Tensor:
+def gradient_norm(optimizer: Any, device: torch.device | None) -> Tensor:
     """The global norm of the gradients ``optimizer`` is about to step with, on their device: a norm per tensor, then
     the norm of those (no tensor of all the gradients at once)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -320,23 +342,37 @@ def gradients_finite(optimizer: Any) -> bool:
     return all(bool(torch.isfinite(p.grad).all()) for p in params)
 
 
-def now(device: torch.device) -> Any:
-    """A point in time on ``device``: a recorded CUDA event, or the host's clock."""
+def clock(device: torch.device) -> Callable[[], Any]:
+    """What reads a point in time on ``device``: a recorded CUDA event, or the host's clock."""
     if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record()
+
+        def event() -> Any:
+            recorded = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            recorded.record()
+            return recorded
+
         return event
-    return time.perf_counter()
+    return time.perf_counter
+
+
+def scale_reader(plugin: Any) -> Callable[[], Tensor | float | None]:
+    """What reads the loss scale the next backward of ``plugin`` runs under, without a device sync (None without loss
+    scaling)."""
+    if hasattr(plugin, "amp_backend"):  # AmpPrecision keeps it on the host
+        return lambda: plugin.current_loss_scale
+    scaler = getattr(plugin, "scaler", None)  # Lightning's MixedPrecision: torch's GradScaler
+    if scaler is None:
+        return lambda: None
+    return functools.partial(_scaler_scale, scaler)
 
 
 def loss_scale(plugin: Any) -> Tensor | float | None:
-    """The loss scale the next backward runs under, read without a device sync; None without loss scaling."""
-    if hasattr(plugin, "amp_backend"):  # AmpPrecision keeps it on the host
-        scale: float | None = plugin.current_loss_scale
-        return scale
-    scaler = getattr(plugin, "scaler", None)  # Lightning's MixedPrecision: torch's GradScaler
-    if scaler is None:
-        return None
+    """The loss scale the next backward of ``plugin`` runs under, read without a device sync; None without loss
+    scaling."""
+    return scale_reader(plugin)()
+
+
+def _scaler_scale(scaler: Any) -> Tensor | None:
     # Why the private method: get_scale() syncs. None until the scaler's first scale(), which the step-0 backward runs
     # under: then get_scale() is the initial scale, read without a sync.
     tensor: Tensor | None = scaler._get_scale_async()

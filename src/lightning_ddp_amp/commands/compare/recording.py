@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ddp_amp.commands.compare import overflow
-from lightning_ddp_amp.commands.compare.recorder import Changes, Recorder, loss_scale, now, ran_as, trained_weights
+from lightning_ddp_amp.commands.compare.recorder import Changes, Recorder, ran_as, trained_weights
 from lightning_ddp_amp.commands.compare.run_folder import FINAL_WEIGHTS, Plan, partial_file
 from lightning_ddp_amp.commands.compare.schema import TEST, VALIDATE, Stage
 from lightning_ddp_amp.commands.compare.tensors import hash_batch, save_fp32
@@ -78,7 +78,6 @@ class Recording:
         self._stepped: list[tuple[int, Any]] = []  # (index, optimizer) of this batch's steps
         self._restore: list[Callable[[], None]] = []
         self._batch: tuple[Any, int, tuple[Tensor, Tensor | None]] | None = None  # for locating an overflow
-        self._device: torch.device | None = None  # the LightningModule's, read at the first batch (placed by then)
         self._plugin: Any = None  # the Trainer's precision plugin
 
     # -- hooks -------------------------------------------------------------------------------------------------------
@@ -105,7 +104,9 @@ class Recording:
             setup(trainer_)
 
         def recorded_backward(closure_loss: Tensor, *args: Any, **kwargs: Any) -> Any:
-            recorder.backward(closure_loss, plugin, kwargs.get("loss_id", 0))
+            if recorder.device is None:  # a backward before the first batch started
+                recorder.use(plugin, pl_module.device)
+            recorder.backward(closure_loss, kwargs.get("loss_id", 0))
             return backward(closure_loss, *args, **kwargs)
 
         def hashed_convert_input(data: Any) -> Any:
@@ -127,40 +128,40 @@ class Recording:
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self._training():
             return
-        if self.recorder.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
-            self.recorder.batch_hash = hash_batch(batch)
-        device = self._device
-        if device is None:
-            device = self._device = torch.device(pl_module.device)
+        recorder = self.recorder
+        if recorder.batch_hash is None:  # a training_step that takes the dataloader_iter: nothing was cast
+            recorder.batch_hash = hash_batch(batch)
+        device = recorder.device
+        if device is None:  # the LightningModule's, placed by now
+            device = torch.device(pl_module.device)
+            recorder.use(self._plugin, device)
         if self._opened is None:
-            self._opened = now(device)
-        if len(self.recorder.overflows) < overflow.MAX_LOCATED:
+            self._opened = recorder.clock()
+        if len(recorder.overflows) < overflow.MAX_LOCATED:
             cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
             self._batch = (batch, batch_idx, (torch.get_rng_state(), cuda_rng))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if not self._training():
             return
-        recorder, plugin = self.recorder, self._plugin
-        overflowed = recorder.before_step(
-            optimizer, trainer.global_step, plugin, self._device or pl_module.device, check=self._batch is not None
-        )
-        self._stepped.append((len(recorder.step) - 1, optimizer))
+        recorder = self.recorder
+        overflowed = recorder.before_step(optimizer, trainer.global_step, check=self._batch is not None)
+        self._stepped.append((len(recorder.steps) - 1, optimizer))
         if overflowed:  # a loss that is not finite: located before the optimizer applies what it gave
-            self._locate(pl_module, plugin, len(recorder.step) - 1)
+            self._locate(pl_module, self._plugin, len(recorder.steps) - 1)
 
     def _locate(self, pl_module: Any, plugin: Any, index: int) -> None:
         """Where the overflow of step ``index`` happened: its batch trained again (:func:`overflow.locate`); at most
         once per batch (the batch is then let go)."""
         assert self._batch is not None
         (batch, batch_idx, rng), self._batch = self._batch, None
-        scale = self.recorder.loss_scale[index]
+        scale = self.recorder.steps[index].scale
         self.recorder.overflows.append(
             overflow.locate(
                 pl_module,
                 batch,
                 batch_idx,
-                step=self.recorder.step[index],
+                step=self.recorder.steps[index].step,
                 scale=None if scale is None else float(scale),
                 rng=rng,
                 context=plugin.train_step_context,
@@ -170,17 +171,15 @@ class Recording:
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._training() or not self._stepped:
             return  # an accumulation window goes on
-        closed = now(self._device or pl_module.device)
         plugin, recorder = self._plugin, self.recorder
-        after = [recorder.loss_scale[index] for index, _ in self._stepped[1:]] + [loss_scale(plugin)]
+        after = [recorder.steps[index].scale for index, _ in self._stepped[1:]] + [recorder.scale()]
         for (index, optimizer), scale_after in zip(self._stepped, after, strict=True):
-            recorder.timed(self._opened, closed)
-            if recorder.after_step(index, optimizer, plugin, scale_after, check=self._batch is not None):
+            if recorder.after_step(index, optimizer, scale_after, self._opened, check=self._batch is not None):
                 self._locate(pl_module, plugin, index)  # skipped: the weights are the ones the step started from
         self._stepped = []
         self._opened = None
         self._batch = None
-        done = recorder.step[-1] + 1  # trainer.global_step, without its chain of properties at every batch
+        done = recorder.steps[-1].step + 1  # trainer.global_step, without its chain of properties at every batch
         if recorder.snapshots_due(done):  # the first batch at or past a snapshot
             weights = functools.partial(trained_weights, [("", pl_module)], plugin)
             recorder.snapshot(weights, done, int(trainer.global_rank))
@@ -209,7 +208,6 @@ class Recording:
             restore()
         self._restore = []
         try:
-            self.recorder.pad_series()
             record = self.recorder.rank_record(int(trainer.global_rank), pl_module.device)
         except Exception:  # a device that failed cannot be read back; the error to report is the script's
             return
@@ -224,7 +222,6 @@ class Recording:
         for restore in self._restore:
             restore()
         self._restore = []
-        self.recorder.pad_series()
         record = self.recorder.rank_record(int(trainer.global_rank), pl_module.device)
         records = [record]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
