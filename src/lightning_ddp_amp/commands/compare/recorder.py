@@ -104,7 +104,6 @@ class Recorder:
         self._pending_loss: dict[int, Tensor] = {}  # per loss_id, since the previous step
         self._pending_scale: Tensor | float | None = None
         self.steps: list[StepRecord] = []  # one per optimizer step, in order
-        self._norm_every = plan.grad_norm_every
         self.overflows: list[dict[str, Any]] = []
         self.distances: list[tuple[int, float | None]] = []  # (global step, weight distance to the baseline's)
         self._snapshot_steps: list[int] = []  # the global steps the weights were measured at
@@ -176,7 +175,7 @@ class Recorder:
         by."""
         losses, self._pending_loss = self._pending_loss, {}
         norm = None
-        if step % self._norm_every == 0:
+        if self.measures_norm(step):
             norm = gradient_norm(optimizer, self.device)
             if scaled_by is not None:
                 norm = norm / scaled_by
