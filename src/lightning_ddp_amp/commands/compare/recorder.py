@@ -70,14 +70,14 @@ class StepRecord:
     def __init__(
         self,
         step: int,
-        loss: Tensor,
-        losses: dict[int, Tensor],
+        loss: Tensor | float,
+        losses: dict[int, Tensor | float],
         scale: Tensor | float | None,
         lr: float,
         norm: Tensor | None,
     ) -> None:
         self.step = step  #: the global step
-        self.loss = loss  #: the sum of the losses given to backward since the previous step, on the device
+        self.loss = loss  #: the sum of the losses given to backward since the previous step (on the device until read)
         self.losses = losses  #: those losses per ``loss_id``
         self.scale = scale  #: the loss scale the step's backward ran under (None without loss scaling)
         self.lr = lr  #: the first parameter group's learning rate
@@ -148,15 +148,18 @@ class Recorder:
 
     def backward(self, loss: Tensor, loss_id: int = 0) -> None:
         """A loss handed to backward; the step's first backward also keeps the scale it runs under (apex updates it
-        as its backward ends, torch's scaler at ``step()``)."""
-        loss = loss.detach()
-        if loss.dtype != torch.float32:
-            loss = loss.float()
+        as its backward ends, torch's scaler at ``step()``). The usual one, a step's only float32 loss, is kept as given
+        until :meth:`before_step` reads it (holding it after its backward keeps no graph buffer, and the loop holds it
+        that long anyway); a second loss of the step is added detached."""
         pending = self._pending_loss
         if not pending:
             self._pending_scale = self.scale()
+            if loss.dtype == torch.float32:
+                pending[loss_id] = loss
+                return
+        loss = loss.detach().float()
         earlier = pending.get(loss_id)
-        pending[loss_id] = loss if earlier is None else earlier + loss
+        pending[loss_id] = loss if earlier is None else earlier.detach() + loss
 
     def has_pending_loss(self) -> bool:
         """Whether a loss was handed to backward since the previous step."""
@@ -179,17 +182,25 @@ class Recorder:
             norm = gradient_norm(optimizer, self.device)
             if scaled_by is not None:
                 norm = norm / scaled_by
+        kept: dict[int, Tensor | float]
         if len(losses) == 1:
-            (total,) = losses.values()
+            ((loss_id, total),) = losses.items()
             scale = self._pending_scale
+            # The one value read before each step, while the door checks: the loss, kept as a float. Else it stays on
+            # the device, detached, until the run ends.
+            value: Tensor | float = total.item() if check else total.detach()
+            kept = {loss_id: value}
         else:
-            total = sum(losses.values()) if losses else torch.full((), float("nan"), device=self.device)  # type: ignore[assignment]
-            scale = self._pending_scale if losses else self.scale()
+            detached = [loss.detach() for loss in losses.values()]
+            kept = dict(zip(losses, detached, strict=True))
+            total = sum(detached) if detached else torch.full((), float("nan"), device=self.device)  # type: ignore[assignment]
+            scale = self._pending_scale if kept else self.scale()
+            value = total.item() if check and kept else total
         self._pending_scale = None
-        self.steps.append(StepRecord(step, total, losses, scale, float(optimizer.param_groups[0]["lr"]), norm))
+        self.steps.append(StepRecord(step, value, kept, scale, float(optimizer.param_groups[0]["lr"]), norm))
         if not check:
             return False
-        if losses and not math.isfinite(total.item()):  # the one value read before each step (one op: item)
+        if kept and not math.isfinite(value):
             return True
         return norm is not None and not bool(torch.isfinite(norm)) and not gradients_finite(optimizer)
 
@@ -314,8 +325,13 @@ class Recorder:
         return record
 
 
-def floats(values: list[Tensor]) -> list[float]:
-    return torch.stack(values).cpu().tolist() if values else []
+def floats(values: Sequence[Tensor | float]) -> list[float]:
+    """Each value as a float: those still on the device read back in one go."""
+    tensors = [value for value in values if isinstance(value, Tensor)]
+    if not tensors:
+        return [float(value) for value in values]
+    read = iter(torch.stack(tensors).cpu().tolist())
+    return [next(read) if isinstance(value, Tensor) else float(value) for value in values]
 
 
 def sparse_floats(values: list[Tensor | None]) -> list[float | None]:
