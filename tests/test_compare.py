@@ -1191,7 +1191,7 @@ def recorded_losses(root: Path, name: str, *ranks: list[dict[int, float]]) -> Ca
             for loss_id, loss in losses.items():
                 recorder.backward(torch.tensor(loss), loss_id)
             recorder.before_step(optimizer, index, check=False)
-            recorder.after_step(index, optimizer, None, recorder.clock())
+            recorder.after_step(index, optimizer, recorder.clock())
         recorders.append(recorder)
         records.append(recorder.rank_record(rank, torch.device("cpu")))
     recorders[0].write_record(recorders[0].header("Precision 32-true", len(ranks)), records)

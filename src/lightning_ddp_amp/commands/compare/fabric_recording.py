@@ -204,7 +204,7 @@ class FabricRecording:
         opened, self._opened = self._opened, None
         overflows = recorder.overflows
         check = bool(self._watching) and not (overflows and overflows[-1]["step"] == index)  # not located before it
-        if recorder.after_step(index, optimizer, recorder.scale(), opened, check=check):
+        if recorder.after_step(index, optimizer, opened, check=check):
             self._locate(index)
         if self._watching:
             self._calls.start_step()

@@ -205,21 +205,22 @@ class Recorder:
         return norm is not None and not bool(torch.isfinite(norm)) and not gradients_finite(optimizer)
 
     def after_step(
-        self, index: int, optimizer: Any, scale_after: Tensor | float | None, opened: Any, *, check: bool = False
+        self, index: int, optimizer: Any, opened: Any, *, check: bool = False, scale_after: Tensor | float | None = None
     ) -> bool:
         """Step ``index`` ran, its time counted from ``opened`` (a :attr:`clock` value; None: not timed); whether it
         was skipped: AmpPrecision says so; torch's scaler backs off exactly when it skipped a step (``scale_after``: the
-        scale once the step ran). Returns it, read from the device only when ``check`` (the door locates a skipped
-        step's overflow after it: a skipped step left the weights as they were)."""
+        scale once the step ran, read now by default). Returns it, read from the device only when ``check`` (the door
+        locates a skipped step's overflow after it: a skipped step left the weights as they were)."""
         record = self.steps[index]
         if opened is not None:
             record.opened, record.closed = opened, self.clock()
-        skipped: Tensor | bool = False
         if self._step_skipped is not None:
-            skipped = bool(self._step_skipped(optimizer))
-        elif isinstance(record.scale, Tensor) and isinstance(scale_after, Tensor):
-            skipped = scale_after < record.scale
-        record.skipped = skipped
+            record.skipped = skipped = bool(self._step_skipped(optimizer))
+        elif isinstance(record.scale, Tensor):
+            after = self.scale() if scale_after is None else scale_after
+            record.skipped = skipped = isinstance(after, Tensor) and after < record.scale  # type: ignore[assignment]
+        else:
+            return False
         return check and bool(skipped)
 
     # -- along the way -----------------------------------------------------------------------------------------------

@@ -172,9 +172,11 @@ class Recording:
         if not self._training() or not self._stepped:
             return  # an accumulation window goes on
         plugin, recorder = self._plugin, self.recorder
-        after = [recorder.steps[index].scale for index, _ in self._stepped[1:]] + [recorder.scale()]
+        # a step's scale after it: the next step's before it; the last one's now
+        after = [recorder.steps[index].scale for index, _ in self._stepped[1:]] + [None]
         for (index, optimizer), scale_after in zip(self._stepped, after, strict=True):
-            if recorder.after_step(index, optimizer, scale_after, self._opened, check=self._batch is not None):
+            check = self._batch is not None
+            if recorder.after_step(index, optimizer, self._opened, check=check, scale_after=scale_after):
                 self._locate(pl_module, plugin, index)  # skipped: the weights are the ones the step started from
         self._stepped = []
         self._opened = None
