@@ -19,7 +19,7 @@ device. A call under ``torch.no_grad`` (evaluation inside the loop) is not kept.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -88,7 +88,8 @@ class Call:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         rng: RandomState | None,
-        outputs: list[Tensor | None],
+        outputs: Sequence[Tensor | None],
+        stepped: bool = False,
     ) -> None:
         self.watched = watched
         self.args = args
@@ -96,7 +97,7 @@ class Call:
         self.rng = rng  #: the random state before the call; None for a model that draws none (or a call inside itself)
         #: per floating output, in :func:`floating` order: the output, retaining its gradient (None: it needs none)
         self.outputs = outputs
-        self.stepped = False  #: an optimizer step has run since the call
+        self.stepped = stepped  #: an optimizer step has run since the call
 
     @property
     def module(self) -> torch.nn.Module:
@@ -117,7 +118,7 @@ class Call:
 
     def received(self) -> bool:
         """Whether any output of the call received a gradient."""
-        return any(output is not None and output.grad is not None for output in self.outputs)
+        return received(self.outputs)
 
 
 class ModelCalls:
@@ -128,7 +129,12 @@ class ModelCalls:
     """
 
     def __init__(self) -> None:
-        self._calls: list[Call] = []
+        # This step's calls, as the fields of a Call (made only when a step is located: a tuple costs less a call).
+        self._calls: list[
+            tuple[Watched, tuple[Any, ...], dict[str, Any], RandomState | None, tuple[Tensor | None, ...]]
+        ]
+        self._calls = []
+        self._carried: list[Call] = []  # the last step's calls whose outputs had no gradient yet
         self._watched: dict[int, Watched] = {}  # id(module) -> its watch
         self._open: dict[int, RandomState] = {}  # id(module) -> the random state before its forward, until it returns
 
@@ -147,17 +153,18 @@ class ModelCalls:
     def start_step(self) -> None:
         """A step begins (call it after each optimizer step): forget the calls the last step used.
 
-        A call whose outputs have no gradient yet is kept through one step: a GAN computes ``G(z)`` before the
+        A call whose outputs have no gradient yet is carried through one step: a GAN computes ``G(z)`` before the
         discriminator's step and backpropagates through it in the generator's."""
-        if not self._calls:
-            return
-        self._calls = [call for call in self._calls if not call.stepped and not call.received()]
-        for call in self._calls:
-            call.stepped = True
+        if self._calls:
+            self._carried = [Call(*call, stepped=True) for call in self._calls if not received(call[4])]
+            self._calls = []
+        elif self._carried:
+            self._carried = []
 
     def take(self) -> list[Call]:
         """The calls that can explain the step about to run, in the order they were made; forgotten here."""
-        calls, self._calls = self._calls, []
+        calls = self._carried + [Call(*call) for call in self._calls]
+        self._carried, self._calls = [], []
         return calls
 
     def _before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -180,16 +187,24 @@ class ModelCalls:
         if isinstance(output, Tensor):  # the usual output, without walking it
             if output.requires_grad and output.is_floating_point():
                 output.retain_grad()
-                self._calls.append(Call(watched, args, kwargs, rng, [output]))
+                self._calls.append((watched, args, kwargs, rng, (output,)))
             return
-        outputs = [tensor if tensor.requires_grad else None for tensor in floating(output)]
+        outputs = tuple(tensor if tensor.requires_grad else None for tensor in floating(output))
         kept = False
         for tensor in outputs:
             if tensor is not None:
                 tensor.retain_grad()
                 kept = True
         if kept:
-            self._calls.append(Call(watched, args, kwargs, rng, outputs))
+            self._calls.append((watched, args, kwargs, rng, outputs))
+
+
+def received(outputs: Sequence[Tensor | None]) -> bool:
+    """Whether any of a call's outputs received a gradient."""
+    for output in outputs:  # noqa: SIM110 (no generator: it runs for every call)
+        if output is not None and output.grad is not None:
+            return True
+    return False
 
 
 def random_state(device: torch.device) -> RandomState:

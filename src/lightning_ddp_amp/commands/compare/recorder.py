@@ -347,8 +347,9 @@ def gradient_norm(optimizer: Any, device: torch.device | None) -> Tensor:
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
-    norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) for grad in grads]
-    norm: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    with torch.no_grad():  # gradients of a create_graph backward: no graph of the norm
+        norms = [torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads]
+        norm: Tensor = torch.linalg.vector_norm(torch.stack(norms))
     return norm
 
 
