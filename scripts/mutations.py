@@ -581,9 +581,17 @@ MUTATIONS = (
         "a kept loop's model that starts drawing random numbers after its checked calls is re-run from another random"
         " state and the located place is reported as sure",
         "commands/compare/overflow.py",
-        "    if before is not None and call not in unkept and drew(before, call.device):\n",
+        "    if before is not None and call not in unkept and model_calls.drew(before, call.device):\n",
         "    if False:\n",
         ("tests/test_overflow.py", "-k", "starts_drawing"),
+    ),
+    Mutation(
+        "callback-hooks-not-silenced",
+        "the recording's unused per-batch callback hooks are still called, each through the profiler, at every step",
+        "_lightning/members.py",
+        "    return dict.fromkeys(names)\n",
+        "    return {}\n",
+        ("tests/test_lightning_internals.py", "-k", "silenced"),
     ),
     Mutation(
         "broken-weights-re-run",

@@ -317,6 +317,35 @@ def test_an_envddp_fit_shadows_its_loops_sigterm_broadcast() -> None:
     assert "_broadcast_sigterm_tensor" in vars(trainer.fit_loop.epoch_loop)
 
 
+class HookCounter(Callback):
+    def __init__(self) -> None:
+        self.called: list[str] = []
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.called.append("on_before_backward")
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.called.append("on_validation_batch_end")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.called.append("on_train_batch_end")
+
+
+def test_a_silenced_callback_hook_is_not_called_and_the_others_still_are() -> None:
+    silenced = type(
+        "Silenced",
+        (HookCounter,),
+        _lightning.silenced_callback_hooks("on_before_backward", "on_after_backward", "on_validation_batch_end"),
+    )
+    callback = silenced()
+    trainer = _quiet_trainer(max_steps=2, limit_val_batches=1, val_check_interval=1, callbacks=[callback])
+    trainer.fit(BoringModel())
+    assert callback.called == ["on_train_batch_end"] * 2
+    callback = HookCounter()  # the same without the silenced hooks: they are called
+    _quiet_trainer(max_steps=2, limit_val_batches=1, val_check_interval=1, callbacks=[callback]).fit(BoringModel())
+    assert callback.called.count("on_before_backward") == 2 and "on_validation_batch_end" in callback.called
+
+
 class ProgressRecorder(Callback):
     """Records the fence's view of the epoch's progress after each training batch (where checkpoints are saved)."""
 

@@ -41,6 +41,7 @@ from lightning_ddp_amp._lightning.members import (
     rebuild_dataloader,
     sampler_injection,
     set_sampler_injection,
+    silenced_callback_hooks,
     trainer_env_defaults,
     version,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "saved_loader_states",
     "saved_mid_epoch",
     "set_sampler_injection",
+    "silenced_callback_hooks",
     "trainer_env_defaults",
     "version",
 ]

@@ -184,6 +184,17 @@ def after_closure(plugin: Precision, model: pl.LightningModule, optimizer: Optim
     plugin._after_closure(model, optimizer)
 
 
+def silenced_callback_hooks(*names: str) -> dict[str, None]:
+    """Class attributes that keep the Trainer from calling these hooks of a callback: ``_call_callback_hooks`` calls a
+    callback's hook only where it is callable, so a hook set to None costs no call and no profiler context.
+
+    Why: a callback that does nothing at ``on_before_backward`` still costs a call through the profiler at every step
+    (about 1.4 µs a hook on 2 CPU cores); ``compare``'s recording would pay it at the three of the six hooks of a
+    training step that it does not use.
+    """
+    return dict.fromkeys(names)
+
+
 def version() -> str:
     """This Lightning's version, as its checkpoints record it (``"pytorch-lightning_version"``)."""
     import lightning.pytorch

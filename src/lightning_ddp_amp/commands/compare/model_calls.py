@@ -38,7 +38,7 @@ class Watched:
     """A model :meth:`ModelCalls.watch` keeps the calls of: its name, its device and whether its forward draws random
     numbers; ``remove()`` takes its hooks away (no cost left)."""
 
-    __slots__ = ("_after", "_before", "_calls", "checked", "device", "draws", "label", "module")
+    __slots__ = ("_calls", "_hook", "_pre_hook", "checked", "device", "draws", "label", "module")
 
     def __init__(self, calls: ModelCalls, module: torch.nn.Module, label: str) -> None:
         self.module = module
@@ -47,17 +47,17 @@ class Watched:
         self.draws: bool | None = None  #: whether its forward draws random numbers; None while its calls are checked
         self.checked = 0  #: its calls checked so far
         self._calls = calls
-        self._before: RemovableHandle | None = module.register_forward_pre_hook(calls._before, with_kwargs=True)
+        self._pre_hook: RemovableHandle | None = module.register_forward_pre_hook(calls.before_call, with_kwargs=True)
         # with_kwargs: the call's keyword arguments, for a model whose pre-hook is gone; always_call: also on a raise
-        self._after: RemovableHandle | None = module.register_forward_hook(
-            calls._after, with_kwargs=True, always_call=True
+        self._hook: RemovableHandle | None = module.register_forward_hook(
+            calls.after_call, with_kwargs=True, always_call=True
         )
 
     def keep_random_state(self) -> None:
         """From the next call on, take the random state before each: the model draws random numbers."""
         self.draws = True
-        if self._before is None and self._after is not None:
-            self._before = self.module.register_forward_pre_hook(self._calls._before, with_kwargs=True)
+        if self._pre_hook is None and self._hook is not None:
+            self._pre_hook = self.module.register_forward_pre_hook(self._calls.before_call, with_kwargs=True)
 
     def checked_call(self, before: RandomState) -> None:
         """One of the first calls ran, from the random state ``before``: whether it drew is its answer."""
@@ -66,15 +66,15 @@ class Watched:
             self.keep_random_state()
         elif self.checked >= CHECKED_CALLS:
             self.draws = False
-            if self._before is not None:
-                self._before.remove()
-                self._before = None
+            if self._pre_hook is not None:
+                self._pre_hook.remove()
+                self._pre_hook = None
 
     def remove(self) -> None:
-        for handle in (self._before, self._after):
+        for handle in (self._pre_hook, self._hook):
             if handle is not None:
                 handle.remove()
-        self._before = self._after = None
+        self._pre_hook = self._hook = None
 
 
 class Call:
@@ -167,7 +167,7 @@ class ModelCalls:
         self._carried, self._calls = [], []
         return calls
 
-    def _before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def before_call(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled():  # evaluation
             return
         watched = self._watched[id(module)]
@@ -175,7 +175,7 @@ class ModelCalls:
             watched.device = _device(module)
         self._open[id(module)] = random_state(watched.device)
 
-    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def after_call(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if not torch.is_grad_enabled():
             return
         watched = self._watched[id(module)]
@@ -207,9 +207,31 @@ def received(outputs: Sequence[Tensor | None]) -> bool:
     return False
 
 
+def redrawn(calls: list[Call]) -> str | None:
+    """What a located overflow says of ``calls``, whose models drew random numbers when run again though they drew none
+    in their first :data:`CHECKED_CALLS` calls (their random state was not kept); their state is kept from now on."""
+    if not calls:
+        return None
+    for call in calls:
+        call.watched.keep_random_state()
+    labels = sorted({call.label for call in calls})
+    return (
+        f"{' and '.join(labels)} drew random numbers when run again, none in {'their' if len(labels) > 1 else 'its'}"
+        f" first {CHECKED_CALLS} calls: the random state before this step's call was not kept, so the re-run drew"
+        " others and the place may differ (it is kept from now on)"
+    )
+
+
 def random_state(device: torch.device) -> RandomState:
     """The CPU random state, and ``device``'s where it is a GPU."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_random_state(rng: RandomState, device: torch.device) -> None:
+    """Put the random state :func:`random_state` took back."""
+    torch.set_rng_state(rng[0])
+    if device.type == "cuda" and rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1], device)
 
 
 def drew(before: RandomState, device: torch.device | None) -> bool:

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ddp_amp.commands.compare.model_calls import CHECKED_CALLS, Call, drew, floating, random_state
+from lightning_ddp_amp.commands.compare import model_calls
+from lightning_ddp_amp.commands.compare.model_calls import Call, floating
 from lightning_ddp_amp.commands.compare.schema import BACKWARD, FORWARD, LOSS, NOT_RE_RUN, NOT_REPRODUCED, Phase
 
 #: The most steps a run locates; each costs one more forward and backward of that step's batch.
@@ -107,7 +108,7 @@ def _train_again(
         return broken
     device = torch.device(pl_module.device)
     with _restored([pl_module], [device]), _logging_off(pl_module), _Watch(pl_module) as watch:
-        _set_rng(rng, device)
+        model_calls.set_random_state(rng, device)
         with context():
             output = _training_step(pl_module, batch, batch_idx)
         loss = output.get("loss") if isinstance(output, dict) else output
@@ -193,29 +194,20 @@ def locate_calls(
 
     It never raises: a call that cannot run again is reported as ``not re-run`` with the error.
     """
+    unkept: list[Call] = []  # calls of a model trusted not to draw random numbers that drew when run again
     try:
-        return _run_calls_again(calls, step, scale, context)
+        found = _run_calls_again(calls, step, scale, context, unkept)
     except Exception as error:  # the run under compare must not fail for its own instrument
         return located(step, scale, phase=NOT_RE_RUN, note=f"running the models' calls again failed: {error!r}")
-
-
-def _run_calls_again(calls: list[Call], step: int, scale: float | None, context: Any) -> dict[str, Any]:
-    unkept: list[Call] = []  # calls of a model trusted not to draw random numbers that drew when run again
-    found = _calls_again(calls, step, scale, context, unkept)
-    if unkept:
-        labels = sorted({call.label for call in unkept})
-        for call in unkept:
-            call.watched.keep_random_state()  # from the next call on
-        said = (
-            f"{' and '.join(labels)} drew random numbers when run again, none in {'their' if len(labels) > 1 else 'its'}"
-            f" first {CHECKED_CALLS} calls: the random state before this step's call was not kept, so the re-run drew"
-            " others and the place may differ (it is kept from now on)"
-        )
+    said = model_calls.redrawn(unkept)
+    if said is not None:
         found["note"] = said if found["note"] is None else f"{found['note']}; {said}"
     return found
 
 
-def _calls_again(calls: list[Call], step: int, scale: float | None, context: Any, unkept: list[Call]) -> dict[str, Any]:
+def _run_calls_again(
+    calls: list[Call], step: int, scale: float | None, context: Any, unkept: list[Call]
+) -> dict[str, Any]:
     backward = [call for call in calls if call.received()]
     if not backward:
         return located(
@@ -247,18 +239,18 @@ def _calls_again(calls: list[Call], step: int, scale: float | None, context: Any
 
 
 def _call_again(call: Call, context: Any, unkept: list[Call]) -> tuple[Any, list[Tensor]]:
-    """The call's output, run from its random state on its arguments, and those of them it can pass a gradient to.
-    A call whose random state was not kept runs from the current one; if it draws, it joins ``unkept``."""
+    """The call's output, run from its random state (else the current one: if it draws, it joins ``unkept``) on its
+    arguments, and those of them it can pass a gradient to."""
     inputs: list[Tensor] = []
     args, kwargs = _detached((call.args, call.kwargs), inputs)
     before = None
     if call.rng is None:
-        before = random_state(call.device)
+        before = model_calls.random_state(call.device)
     else:
-        _set_rng(call.rng, call.device)
+        model_calls.set_random_state(call.rng, call.device)
     with context():
         output = call.module(*args, **kwargs)
-    if before is not None and call not in unkept and drew(before, call.device):
+    if before is not None and call not in unkept and model_calls.drew(before, call.device):
         unkept.append(call)
     return output, inputs
 
@@ -349,12 +341,6 @@ def _restored(modules: list[Any], devices: list[torch.device]) -> Iterator[None]
     finally:
         for owner, name, buffer in owned:
             setattr(owner, name, buffer)
-
-
-def _set_rng(rng: tuple[Tensor, Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(rng[0])
-    if device.type == "cuda" and rng[1] is not None:
-        torch.cuda.set_rng_state(rng[1], device)
 
 
 @contextlib.contextmanager

@@ -55,6 +55,18 @@ class Recording:
             (:func:`lightning_ddp_amp._lightning.evaluation_metrics` of the Trainer's namespace).
     """
 
+    #: Per-batch hooks of a Callback this one does nothing at; the Trainer does not call them (each call goes through
+    #: its profiler, at every batch).
+    UNUSED_HOOKS = (
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_zero_grad",
+        "on_validation_batch_start",
+        "on_validation_batch_end",
+        "on_test_batch_start",
+        "on_test_batch_end",
+    )
+
     #: The recording of the process's first ``fit``, set on the mixed class: the one that writes the record. A later
     #: Trainer's (``Trainer(devices=1).test(model)`` after a DDP fit) validation and test runs are added to it.
     first: Recording | None = None
