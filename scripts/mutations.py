@@ -547,7 +547,7 @@ MUTATIONS = (
         "grad-norm-at-every-step",
         "the gradient norm is measured at every step whatever --grad-norm-every says: its cost comes back",
         "commands/compare/recorder.py",
-        "        return step % self.plan.grad_norm_every == 0\n",
+        "        return step % self._norm_every == 0\n",
         "        return True\n",
         ("tests/test_compare_fabric.py", "-k", "every_nth_step"),
     ),

@@ -25,7 +25,7 @@ import math
 import os
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,26 +65,32 @@ def ran_as(plugin: Any) -> str:
 class StepRecord:
     """What one optimizer step recorded: before it (:meth:`Recorder.before_step`) and after it (``after_step``)."""
 
-    __slots__ = ("closed", "loss", "losses", "lr", "norm", "opened", "scale", "skipped", "step")
+    __slots__ = ("closed", "loss", "loss_id", "losses", "lr", "norm", "opened", "scale", "skipped", "step")
 
     def __init__(
         self,
         step: int,
         loss: Tensor | float,
-        losses: dict[int, Tensor | float],
+        loss_id: int,
+        losses: Mapping[int, Tensor | float] | None,
         scale: Tensor | float | None,
         lr: float,
         norm: Tensor | None,
     ) -> None:
         self.step = step  #: the global step
         self.loss = loss  #: the sum of the losses given to backward since the previous step (on the device until read)
-        self.losses = losses  #: those losses per ``loss_id``
+        self.loss_id = loss_id  #: the ``loss_id`` of a step's only loss
+        self.losses = losses  #: the losses per ``loss_id`` where there were several, or none (else None)
         self.scale = scale  #: the loss scale the step's backward ran under (None without loss scaling)
         self.lr = lr  #: the first parameter group's learning rate
         self.norm = norm  #: the gradient norm; None at a step it was not measured at
         self.skipped: Tensor | bool = False  #: the loss scaler skipped it (a tensor until read back)
         self.opened: Any = None  #: when its time started and ended (clock values); None: not timed
         self.closed: Any = None
+
+    def by_id(self) -> Mapping[int, Tensor | float]:
+        """The step's losses per ``loss_id``."""
+        return {self.loss_id: self.loss} if self.losses is None else self.losses
 
 
 class Recorder:
@@ -102,6 +108,7 @@ class Recorder:
         self.batch_hash: str | None = None
         self._module_hashes: list[str] = []
         self._pending_loss: dict[int, Tensor] = {}  # per loss_id, since the previous step
+        self._norm_every = plan.grad_norm_every
         self._pending_scale: Tensor | float | None = None
         self.steps: list[StepRecord] = []  # one per optimizer step, in order
         self.overflows: list[dict[str, Any]] = []
@@ -167,7 +174,7 @@ class Recorder:
 
     def measures_norm(self, step: int) -> bool:
         """Whether ``step``'s gradient norm is measured (``plan.grad_norm_every``)."""
-        return step % self.plan.grad_norm_every == 0
+        return step % self._norm_every == 0
 
     def before_step(self, optimizer: Any, step: int, *, check: bool, scaled_by: Tensor | float | None = None) -> bool:
         """Keep what ``optimizer`` is about to step with; returns whether the step overflowed, read from the device only
@@ -176,31 +183,32 @@ class Recorder:
         as no scaler may skip it (a step the scaler skips is located after it, :meth:`after_step`). ``scaled_by``: the
         loss scale the gradients still carry (an optimizer that unscales inside its own step), which the norm is divided
         by."""
-        losses, self._pending_loss = self._pending_loss, {}
+        losses = self._pending_loss
         norm = None
         if self.measures_norm(step):
             norm = gradient_norm(optimizer, self.device)
             if scaled_by is not None:
                 norm = norm / scaled_by
-        kept: dict[int, Tensor | float]
+        loss_id, by_id = 0, None  # a step's only loss: no dict of it
         if len(losses) == 1:
             ((loss_id, total),) = losses.items()
             scale = self._pending_scale
             # The one value read before each step, while the door checks: the loss, kept as a float. Else it stays on
             # the device, detached, until the run ends.
             value: Tensor | float = total.item() if check else total.detach()
-            kept = {loss_id: value}
         else:
             detached = [loss.detach() for loss in losses.values()]
-            kept = dict(zip(losses, detached, strict=True))
+            by_id = dict(zip(losses, detached, strict=True))
             total = sum(detached) if detached else torch.full((), float("nan"), device=self.device)  # type: ignore[assignment]
-            scale = self._pending_scale if kept else self.scale()
-            value = total.item() if check and kept else total
+            scale = self._pending_scale if detached else self.scale()
+            value = total.item() if check and detached else total
+        losses.clear()  # the next step's, in the same dict
         self._pending_scale = None
-        self.steps.append(StepRecord(step, value, kept, scale, float(optimizer.param_groups[0]["lr"]), norm))
+        lr = float(optimizer.param_groups[0]["lr"])
+        self.steps.append(StepRecord(step, value, loss_id, by_id, scale, lr, norm))
         if not check:
             return False
-        if kept and not math.isfinite(value):
+        if (by_id is None or by_id) and not math.isfinite(value):
             return True
         return norm is not None and not bool(torch.isfinite(norm)) and not gradients_finite(optimizer)
 
@@ -316,10 +324,11 @@ class Recorder:
             # The step after each snapshot: the other ranks wait in it for rank 0, which saved or read weights.
             "slowed_steps": list(self._snapshot_steps),
         }
-        ids = sorted({loss_id for r in steps for loss_id in r.losses})
+        by_id = [r.by_id() for r in steps]
+        ids = sorted({loss_id for losses in by_id for loss_id in losses})
         if len(ids) > 1:  # several losses per step (num_losses): each kept beside their sum, read back in one go
-            given = iter(floats([loss for r in steps for loss in r.losses.values()]))
-            read = [{loss_id: next(given) for loss_id in r.losses} for r in steps]
+            given = iter(floats([loss for losses in by_id for loss in losses.values()]))
+            read = [{loss_id: next(given) for loss_id in losses} for losses in by_id]
             # None where the step had no loss of that id (a GAN's generator step has none of the discriminator's):
             # NaN stays what an overflowed loss reads as.
             record["loss_by_id"] = {str(loss_id): [losses.get(loss_id) for losses in read] for loss_id in ids}
