@@ -594,6 +594,14 @@ MUTATIONS = (
         ("tests/test_lightning_internals.py", "-k", "silenced"),
     ),
     Mutation(
+        "grad-norm-float32-only",
+        "the gradient norm leaves out the gradients that are not contiguous float32 (bfloat16 weights, a transposed one)",
+        "commands/compare/recorder.py",
+        "            else torch.linalg.vector_norm(grad, dtype=torch.float32).square()\n",
+        "            else torch.zeros((), device=grad.device)\n",
+        ("tests/test_compare.py", "-k", "whatever_its_dtype_or_layout"),
+    ),
+    Mutation(
         "broken-weights-re-run",
         "weights already NaN as a step starts are re-run and blamed on the first module's forward",
         "commands/compare/overflow.py",

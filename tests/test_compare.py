@@ -1529,6 +1529,18 @@ def test_the_final_weights_of_apex_o2_are_its_fp32_masters(apex_double: ModuleTy
         assert torch.equal(weights[name], master) and weights[name].data_ptr() == master.data_ptr()  # the master
 
 
+def test_the_gradient_norm_sums_every_gradients_squares_whatever_its_dtype_or_layout() -> None:
+    torch.manual_seed(0)
+    shapes, dtypes = [(300, 7), (5, 3), (4, 6)], [torch.float32, torch.bfloat16, torch.float32]
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in zip(shapes, dtypes, strict=True)]
+    params[0].grad = torch.randn(300, 7)
+    params[1].grad = torch.randn(5, 3).to(torch.bfloat16)
+    params[2].grad = torch.randn(6, 4).t()  # not contiguous: read as it is, not copied
+    expected = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    norm = compare_recorder.gradient_norm(torch.optim.SGD(params, lr=0.1), None)
+    assert norm.dtype == torch.float32 and float(norm) == pytest.approx(float(expected), rel=1e-6)
+
+
 @needs_cpu_fp16
 def test_a_scaler_not_yet_used_reads_its_initial_scale_so_an_overflow_at_the_first_step_is_a_skip() -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision

@@ -351,14 +351,22 @@ def sparse_floats(values: list[Tensor | None]) -> list[float | None]:
 
 
 def gradient_norm(optimizer: Any, device: torch.device | None) -> Tensor:
-    """The global norm of the gradients ``optimizer`` is about to step with, on their device: a norm per tensor, then
-    the norm of those (no tensor of all the gradients at once)."""
+    """The global norm of the gradients ``optimizer`` is about to step with, on their device: each float32 gradient's
+    sum of squares as one ``dot`` (one read, and closer to the float64 norm than a norm per tensor: 1e-8 against 6e-7
+    relative on the bench MLP), any other's in float32, then the root of their sum (no tensor of all the gradients at
+    once). A norm past 1.8e19 reads as inf (its squares overflow float32); the check for non-finite gradients then
+    reads the gradients themselves."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
     with torch.no_grad():  # gradients of a create_graph backward: no graph of the norm
-        norms = [torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads]
-        norm: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+        squares = [
+            torch.dot(grad.view(-1), grad.view(-1))
+            if grad.dtype == torch.float32 and grad.layout == torch.strided and grad.is_contiguous()
+            else torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            for grad in grads
+        ]
+        norm: Tensor = torch.stack(squares).sum().sqrt()
     return norm
 
 
