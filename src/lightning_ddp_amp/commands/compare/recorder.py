@@ -8,9 +8,11 @@ keeps, on the device: the loss (the sum of the losses given to backward since th
 the loss scale, whether the step was skipped, the learning rate and the step's time (CUDA events on a GPU); and, at
 every ``plan.grad_norm_every``-th step only, the global norm of the gradients of what the optimizer steps (before
 clipping, after unscaling): one more read of every gradient, the one cost of the recording that grows with the model.
-While overflows are still located, whether the step overflowed is read back: before the step, whether its loss is
-finite (one value); after it, whether the loss scaler skipped it (read where the scaler already decided, on the host
-for apex). The rest stays on the device until the run ends (:meth:`Recorder.rank_record`).
+While overflows are still located, whether the step overflowed is read back: before the step, its loss (one value,
+kept as a float: whether it is finite); after it, whether the loss scaler skipped it (read where the scaler already
+decided, on the host for apex). The rest stays on the device until the run ends (:meth:`Recorder.rank_record`). One
+:class:`StepRecord` per step holds it all; what the precision plugin is read for (the clock, the loss scale, the skip
+flag) is looked up once (:meth:`Recorder.use`).
 
 At the plan's snapshot steps the baseline's rank 0 saves its weights and any other run's rank 0 measures its
 distance to them (:meth:`Recorder.snapshot`).
