@@ -1546,13 +1546,14 @@ def test_a_scaler_not_yet_used_reads_its_initial_scale_so_an_overflow_at_the_fir
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    before = compare_recorder.loss_scale(plugin)  # what the recording reads before the first backward
+    read = compare_recorder.scale_reader(plugin)  # what the recording reads the scale with
+    before = read()  # before the first backward
     weight = torch.nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([weight], lr=1.0)
     plugin.scaler.scale((weight * float("inf")).sum()).backward()
     plugin.scaler.step(optimizer)
     plugin.scaler.update()
-    after = compare_recorder.loss_scale(plugin)
+    after = read()
     assert isinstance(before, torch.Tensor) and float(before) == 1024.0
     assert isinstance(after, torch.Tensor) and bool(after < before)  # the recording's skip: the scaler backed off
     assert torch.equal(weight.detach(), torch.ones(1))

@@ -80,7 +80,7 @@ class Watched:
 class Call:
     """One forward call of a watched model, and the gradients its outputs received."""
 
-    __slots__ = ("args", "kwargs", "outputs", "rng", "stepped", "watched")
+    __slots__ = ("args", "kwargs", "outputs", "rng", "watched")
 
     def __init__(
         self,
@@ -89,7 +89,6 @@ class Call:
         kwargs: dict[str, Any],
         rng: RandomState | None,
         outputs: Sequence[Tensor | None],
-        stepped: bool = False,
     ) -> None:
         self.watched = watched
         self.args = args
@@ -97,7 +96,6 @@ class Call:
         self.rng = rng  #: the random state before the call; None for a model that draws none (or a call inside itself)
         #: per floating output, in :func:`floating` order: the output, retaining its gradient (None: it needs none)
         self.outputs = outputs
-        self.stepped = stepped  #: an optimizer step has run since the call
 
     @property
     def module(self) -> torch.nn.Module:
@@ -156,7 +154,7 @@ class ModelCalls:
         A call whose outputs have no gradient yet is carried through one step: a GAN computes ``G(z)`` before the
         discriminator's step and backpropagates through it in the generator's."""
         if self._calls:
-            self._carried = [Call(*call, stepped=True) for call in self._calls if not received(call[4])]
+            self._carried = [Call(*call) for call in self._calls if not received(call[4])]
             self._calls = []
         elif self._carried:
             self._carried = []

@@ -75,7 +75,7 @@ def locate(
     *,
     step: int,
     scale: float | None,
-    rng: tuple[Tensor, Tensor | None],
+    rng: model_calls.RandomState,
     context: Callable[[], contextlib.AbstractContextManager[Any]],
 ) -> dict[str, Any]:
     """Train ``batch`` again from the current weights and say where it first stopped being finite.

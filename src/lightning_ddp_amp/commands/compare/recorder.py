@@ -121,8 +121,7 @@ class Recorder:
         self._baseline_start: dict[str, Tensor] | None = None  # read once, at the first snapshot
         self.evaluations: list[Evaluation] = []
         self._document: dict[str, Any] | None = None
-        # What each step reads, looked up once (:meth:`use`): the precision plugin and device of the run.
-        self.plugin: Any = None
+        # What each step reads, looked up once (:meth:`use`): the run's device, and of its precision plugin:
         self.device: torch.device | None = None
         self.clock: Callable[[], Any] = time.perf_counter
         self.scale: Callable[[], Tensor | float | None] = lambda: None
@@ -131,7 +130,7 @@ class Recorder:
     def use(self, plugin: Any, device: torch.device) -> None:
         """The run's precision plugin and device, as the door knows them before the first backward: what each step reads
         of them (the clock, the loss scale, the plugin's skip flag) is looked up here, once."""
-        self.plugin, self.device = plugin, device
+        self.device = device
         self.clock = clock(device)
         self.scale = scale_reader(plugin)
         self._step_skipped = getattr(plugin, "step_skipped", None)
@@ -210,7 +209,7 @@ class Recorder:
         self.steps.append(StepRecord(step, value, loss_id, by_id, scale, lr, norm))
         if not check:
             return False
-        if (by_id is None or by_id) and not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):  # read: the step had a loss
             return True
         return norm is not None and not bool(torch.isfinite(norm)) and not gradients_finite(optimizer)
 
@@ -400,12 +399,6 @@ def scale_reader(plugin: Any) -> Callable[[], Tensor | float | None]:
     if scaler is None:
         return lambda: None
     return functools.partial(_scaler_scale, scaler)
-
-
-def loss_scale(plugin: Any) -> Tensor | float | None:
-    """The loss scale the next backward of ``plugin`` runs under, read without a device sync; None without loss
-    scaling."""
-    return scale_reader(plugin)()
 
 
 def _scaler_scale(scaler: Any) -> Tensor | None:

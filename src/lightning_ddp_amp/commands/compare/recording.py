@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ddp_amp.commands.compare import overflow
+from lightning_ddp_amp.commands.compare.model_calls import RandomState, random_state
 from lightning_ddp_amp.commands.compare.recorder import Changes, Recorder, ran_as, trained_weights
 from lightning_ddp_amp.commands.compare.run_folder import FINAL_WEIGHTS, Plan, partial_file
 from lightning_ddp_amp.commands.compare.schema import TEST, VALIDATE, Stage
@@ -89,7 +90,7 @@ class Recording:
         self._opened: Any = None
         self._stepped: list[tuple[int, Any]] = []  # (index, optimizer) of this batch's steps
         self._restore: list[Callable[[], None]] = []
-        self._batch: tuple[Any, int, tuple[Tensor, Tensor | None]] | None = None  # for locating an overflow
+        self._batch: tuple[Any, int, RandomState] | None = None  # for locating an overflow
         self._plugin: Any = None  # the Trainer's precision plugin
 
     # -- hooks -------------------------------------------------------------------------------------------------------
@@ -150,8 +151,7 @@ class Recording:
         if self._opened is None:
             self._opened = recorder.clock()
         if len(recorder.overflows) < overflow.MAX_LOCATED:
-            cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-            self._batch = (batch, batch_idx, (torch.get_rng_state(), cuda_rng))
+            self._batch = (batch, batch_idx, random_state(device))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if not self._training():
